@@ -1,0 +1,148 @@
+"""Build a run from a recipe: Accelerator, student, method, loader, resume. Used by the entry
+scripts and usable from Python or a notebook:
+
+    from fv_accel import build_from_config, Trainer
+    run = build_from_config("configs/tiny_dfsft.yaml", {"method.chunk_size": 1})
+    method, dataloader, start_step = run
+    Trainer(run).run()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+from fv_accel.config import RunConfig, load_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltRun:
+    method: Any
+    dataloader: Any
+    start_step: int
+    accelerator: Any
+    config: RunConfig
+    callbacks: list
+
+    def __iter__(self) -> Iterator[Any]:
+        # `method, dataloader, start_step = build_from_config(...)`
+        return iter((self.method, self.dataloader, self.start_step))
+
+
+def build_accelerator(cfg: RunConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    out = Path(cfg.training.checkpoint.output_dir)
+    mp = cfg.training.loop.mixed_precision
+    if mp == "auto":
+        # The launch config's choice wins; otherwise bf16 on an accelerator, fp32 on CPU.
+        mp = None if os.environ.get("ACCELERATE_MIXED_PRECISION") else ("bf16" if torch.cuda.is_available() else "no")
+    trackers = [t for t in cfg.training.tracker.trackers if t != "none"]
+    return Accelerator(
+        gradient_accumulation_steps=cfg.training.loop.gradient_accumulation_steps,
+        mixed_precision=mp,
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
+        # The LR schedule counts optimizer steps, whatever the number of processes.
+        step_scheduler_with_optimizer=False,
+    )
+
+
+def _flat_hparams(cfg: RunConfig) -> dict:
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else k)
+        elif isinstance(node, (int, float, str, bool)):
+            flat[prefix] = node
+        else:
+            flat[prefix] = str(node)
+
+    walk(cfg.to_dict(), "")
+    return flat
+
+
+def resolve_data_path(cfg: RunConfig, accelerator) -> str:
+    path = cfg.training.data.data_path
+    if path != "tiny":
+        return path
+    from fv_accel.data.tiny import ensure_tiny_dataset
+
+    with accelerator.main_process_first():
+        return str(ensure_tiny_dataset(cfg.training.data))
+
+
+def _latent_stats_from_dataset(cfg: RunConfig, data_path: str) -> None:
+    """A student with neither recipe stats nor a repo to read them from uses the statistics of the
+    VAE that encoded the dataset (recorded by preprocessing in fv_dataset.json)."""
+    from fv_accel.data.schema import read_dataset_info
+
+    st = cfg.models.student
+    if st.latents_mean is not None or st.init_from is not None:
+        return
+    info = read_dataset_info(data_path)
+    if info.get("latents_mean") and info.get("latents_std"):
+        st.latents_mean, st.latents_std = list(info["latents_mean"]), list(info["latents_std"])
+
+
+def build_from_config(
+    path_or_dict: Union[str, os.PathLike, dict, RunConfig],
+    overrides: Optional[dict[str, Any]] = None,
+    *,
+    accelerator: Any = None,
+    callbacks: Optional[list] = None,
+) -> BuiltRun:
+    """Build the method (with its student, optimizer, LR schedule), the loader and the start step."""
+    from accelerate.utils import set_seed
+
+    from fv_accel.checkpoint import load_checkpoint, resolve_resume
+    from fv_accel.data.loader import build_train_loader
+    from fv_accel.methods import METHODS
+    from fv_accel.models import build_student
+
+    cfg = path_or_dict if isinstance(path_or_dict, RunConfig) else load_config(path_or_dict, overrides)
+    acc = accelerator or build_accelerator(cfg)
+    logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Identical initial weights on every rank for inline (random-init) students.
+    set_seed(cfg.training.data.seed)
+    data_path = resolve_data_path(cfg, acc)
+    _latent_stats_from_dataset(cfg, data_path)
+    student = build_student(cfg)
+    student.attach_accelerator(acc)
+    method = METHODS[cfg.method.name](cfg=cfg, role_models={"student": student})
+    loader = build_train_loader(cfg, world_size=acc.num_processes, rank=acc.process_index, data_path=data_path)
+    if acc.is_main_process:
+        logger.info(
+            "method %s | student %s | training shift %.3g (models.student.flow_shift) | sampling shift %.3g "
+            "(callbacks.validation.sampling_flow_shift) | %d processes | mixed precision %s",
+            cfg.method.name,
+            type(student.transformer).__name__,
+            cfg.models.student.flow_shift,
+            cfg.callbacks.validation.sampling_flow_shift,
+            acc.num_processes,
+            acc.mixed_precision,
+        )
+    student.transformer, method.optimizer, method.lr_scheduler = acc.prepare(
+        student.transformer, method.optimizer, method.lr_scheduler
+    )
+    acc.init_trackers(cfg.training.tracker.project_name, config=_flat_hparams(cfg))
+    run = BuiltRun(method=method, dataloader=loader, start_step=0, accelerator=acc, config=cfg, callbacks=list(callbacks or []))
+    ck = cfg.training.checkpoint
+    resume = resolve_resume(ck.output_dir, ck.resume_from_checkpoint)
+    if resume is not None:
+        from fv_accel.trainer import Trainer
+
+        run.start_step = load_checkpoint(Trainer(run), resume)
+        if acc.is_main_process:
+            logger.info("resumed from %s at step %d", resume, run.start_step)
+    return run

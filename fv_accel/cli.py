@@ -1,0 +1,25 @@
+"""The entry scripts' body: parse the CLI, build the run, train."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from fv_accel.config import ConfigError, parse_cli
+
+
+def main(method: str, argv: Optional[list[str]] = None) -> int:
+    try:
+        cfg, flags = parse_cli(sys.argv[1:] if argv is None else argv, method)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if flags["dry_run"]:
+        print(cfg.to_yaml(), end="")
+        return 0
+    from fv_accel.build import build_from_config
+    from fv_accel.trainer import Trainer
+
+    run = build_from_config(cfg)
+    Trainer(run).run()
+    return 0

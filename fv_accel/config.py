@@ -1,0 +1,579 @@
+"""Typed run recipe: dataclasses, YAML loading, dotted CLI overrides, strict validation.
+
+Key names follow FastVideo's YAML schema (REFERENCE.md section 9) so its recipes carry over.
+Every default lives in exactly one dataclass field. Unknown keys, wrong types and out-of-range
+values are errors that name the key and the file they came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe problem; the message names the source file and the dotted key."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoraConfig:
+    enable: bool = False
+    rank: int = 16
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    init: Literal["default", "gaussian", "pissa"] = "default"
+
+
+@dataclass
+class StudentConfig:
+    # Hub id or local folder (diffusers layout); None builds from `transformer_config` (tiny default).
+    init_from: Optional[str] = None
+    # Architecture when building from `transformer_config`: "wan" or "skyreels_v2".
+    # When loading, "auto" reads `_class_name` from the transformer's config.json.
+    model_class: Literal["auto", "wan", "skyreels_v2"] = "auto"
+    transformer_config: Optional[dict] = None
+    revision: Optional[str] = None
+    subfolder: str = "transformer"
+    variant: Optional[str] = None
+    torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    # Training shift of the flow-matching table (FastVideo's model-level `flow_shift`).
+    flow_shift: float = 3.0
+    # Per-channel VAE latent statistics; None reads them from `<init_from>/vae/config.json`,
+    # and with neither the latents are used as stored (already normalised).
+    latents_mean: Optional[list[float]] = None
+    latents_std: Optional[list[float]] = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # Block-causal self-attention (block size = method.chunk_size).
+    causal: bool = False
+    causal_attention_backend: Literal["auto", "flex", "chunked"] = "auto"
+    local_attn_size: int = -1
+    sink_size: int = 0
+
+
+@dataclass
+class ModelsConfig:
+    student: StudentConfig = field(default_factory=StudentConfig)
+
+
+@dataclass
+class MethodConfig:
+    name: Literal["finetune", "dfsft", "tfsft"] = "finetune"
+    chunk_size: Any = None  # parsed by DiffusionForcingSFTMethod (REFERENCE.md section 4)
+    min_timestep_ratio: Any = 0.0
+    max_timestep_ratio: Any = 1.0
+    # DFSFT bell weights over the table index (default) or over the timestep value (Causal-Forcing).
+    weighting: Literal["index", "timestep"] = "index"
+    # Teacher forcing: timestep of the clean context tokens (0 = clean).
+    context_timestep: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    # Parquet folder/file of precomputed latents, or "tiny" for the built-in generated dataset.
+    data_path: str = "tiny"
+    train_batch_size: int = 1
+    dataloader_num_workers: int = 0
+    training_cfg_rate: float = 0.0
+    seed: int = 0
+    num_latent_t: Optional[int] = None
+    num_height: Optional[int] = None
+    num_width: Optional[int] = None
+    num_frames: Optional[int] = None
+    # Extra datasets mixed in with weights: [{data_path: ..., weight: ...}].
+    mix: list[dict] = field(default_factory=list)
+    # Tiny built-in dataset (data_path: tiny).
+    tiny_num_clips: int = 8
+    tiny_num_frames: int = 9
+    tiny_height: int = 32
+    tiny_width: int = 32
+    tiny_cache_dir: Optional[str] = None
+
+
+@dataclass
+class OptimizerConfig:
+    learning_rate: float = 1e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    lr_scheduler: Literal[
+        "constant",
+        "constant_with_warmup",
+        "linear",
+        "cosine",
+        "cosine_with_restarts",
+        "polynomial",
+        "piecewise_constant",
+    ] = "constant"
+    lr_warmup_steps: int = 0
+    lr_num_cycles: int = 1
+    lr_power: float = 1.0
+    min_lr_ratio: float = 0.0
+    step_rules: Optional[str] = None  # piecewise_constant rules, diffusers' syntax
+
+
+@dataclass
+class LoopConfig:
+    max_train_steps: int = 100
+    gradient_accumulation_steps: int = 1
+    # "auto": bf16 on an accelerator, fp32 on CPU.
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    # "rank": one generator per rank seeded seed+rank (FastVideo's);
+    # "sample": noise/timesteps keyed by (seed, epoch, sample index), independent of process count.
+    noise_rng: Literal["rank", "sample"] = "rank"
+    # Non-finite loss / grad norm: skip the step (counted) or stop with a checkpoint.
+    nan_policy: Literal["skip", "stop"] = "skip"
+    max_consecutive_skips: int = 5
+
+
+@dataclass
+class CheckpointConfig:
+    output_dir: str = "outputs/run"
+    resume_from_checkpoint: str = ""
+    training_state_checkpointing_steps: int = 0
+    checkpoints_total_limit: int = 0
+    # Write the trained weights (transformer folder / LoRA files) at the end of the run.
+    save_final: bool = True
+
+
+@dataclass
+class TrackerConfig:
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project_name: str = "fv_accel"
+    run_name: str = "run"
+    log_every: int = 1
+
+
+@dataclass
+class TrainingModelConfig:
+    weighting_scheme: Literal["uniform", "logit_normal", "mode"] = "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.0
+    precondition_outputs: bool = False
+    enable_gradient_checkpointing_type: Optional[Literal["full"]] = None
+
+
+@dataclass
+class TrainingConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    model: TrainingModelConfig = field(default_factory=TrainingModelConfig)
+
+
+@dataclass
+class GradClipConfig:
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class EmaConfig:
+    enable: bool = False
+    decay: float = 0.9999
+    device: Literal["same", "cpu"] = "same"
+
+
+@dataclass
+class ValidationConfig:
+    enable: bool = False
+    every_steps: int = 100
+    at_start: bool = False
+    # Prompt file (JSON/JSONL/TXT); None uses `prompts`.
+    prompt_file: Optional[str] = None
+    prompts: list[str] = field(default_factory=list)
+    sampling_steps: int = 50
+    guidance_scale: float = 5.0
+    # Sampling shift (FastVideo's pipeline.flow_shift), distinct from the training shift.
+    sampling_flow_shift: float = 3.0
+    height: Optional[int] = None
+    width: Optional[int] = None
+    num_frames: Optional[int] = None
+    seed: int = 1234
+    fps: int = 8
+    # DFSFT sampler: frames of one chunk ahead of the next (autoregressive offset), noise on context.
+    ar_step: int = 0
+    context_noise: float = 0.0
+    use_ema: bool = True
+    # Held-out loss by noise level.
+    heldout_fraction: float = 0.0
+    heldout_data_path: Optional[str] = None
+    heldout_sigma_buckets: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    heldout_max_samples: int = 8
+
+
+@dataclass
+class CallbacksConfig:
+    grad_clip: GradClipConfig = field(default_factory=GradClipConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+
+@dataclass
+class RunConfig:
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Strict conversion of plain data into the dataclasses
+# --------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "list"
+    if origin is dict:
+        return "mapping"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str, source: str) -> Any:
+    def fail(expected: str) -> ConfigError:
+        return ConfigError(f"{source}: key '{key}': expected {expected}, got {value!r}")
+
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key, source)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0] if len(errors) == 1 else fail(_type_name(tp))
+    if origin is Literal:
+        if value in typing.get_args(tp) and not isinstance(value, bool):
+            return value
+        raise fail(_type_name(tp))
+    if origin is list:
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise fail("a list")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_convert(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise fail("a mapping")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise fail("a mapping")
+        return _build_dataclass(tp, value, key, source)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise fail("true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise fail("an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-6" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise fail("a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise fail("a string")
+    raise TypeError(f"unsupported config type {tp!r} for {key}")
+
+
+def _build_dataclass(cls: type, data: dict, prefix: str, source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for raw_key, value in data.items():
+        key = f"{prefix}.{raw_key}" if prefix else str(raw_key)
+        if raw_key not in names:
+            close = [n for n in names if n.lower().startswith(str(raw_key)[:3].lower())]
+            hint = f" (did you mean {', '.join(repr(c) for c in sorted(close))}?)" if close else ""
+            raise ConfigError(
+                f"{source}: unknown key '{key}'{hint}; known keys here: {', '.join(sorted(names))}"
+            )
+        kwargs[raw_key] = _convert(value, hints[raw_key], key, source)
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Range checks (one place; messages name the key and the file)
+# --------------------------------------------------------------------------------------------
+
+
+def validate(cfg: RunConfig, source: str) -> None:
+    def bad(key: str, value: Any, expected: str) -> ConfigError:
+        return ConfigError(f"{source}: key '{key}': expected {expected}, got {value!r}")
+
+    opt = cfg.training.optimizer
+    if not opt.learning_rate > 0:
+        raise bad("training.optimizer.learning_rate", opt.learning_rate, "a number > 0")
+    if len(opt.betas) != 2 or not all(0.0 <= b < 1.0 for b in opt.betas):
+        raise bad("training.optimizer.betas", opt.betas, "two numbers in [0, 1)")
+    if opt.eps <= 0:
+        raise bad("training.optimizer.eps", opt.eps, "a number > 0")
+    if opt.weight_decay < 0:
+        raise bad("training.optimizer.weight_decay", opt.weight_decay, "a number >= 0")
+    if opt.lr_warmup_steps < 0:
+        raise bad("training.optimizer.lr_warmup_steps", opt.lr_warmup_steps, "an integer >= 0")
+    loop = cfg.training.loop
+    if loop.max_train_steps < 1:
+        raise bad("training.loop.max_train_steps", loop.max_train_steps, "an integer >= 1")
+    if loop.gradient_accumulation_steps < 1:
+        raise bad(
+            "training.loop.gradient_accumulation_steps", loop.gradient_accumulation_steps, "an integer >= 1"
+        )
+    if loop.max_consecutive_skips < 0:
+        raise bad("training.loop.max_consecutive_skips", loop.max_consecutive_skips, "an integer >= 0")
+    data = cfg.training.data
+    if data.train_batch_size < 1:
+        raise bad("training.data.train_batch_size", data.train_batch_size, "an integer >= 1")
+    if data.dataloader_num_workers < 0:
+        raise bad("training.data.dataloader_num_workers", data.dataloader_num_workers, "an integer >= 0")
+    if not 0.0 <= data.training_cfg_rate <= 1.0:
+        raise bad("training.data.training_cfg_rate", data.training_cfg_rate, "a number in [0, 1]")
+    if data.num_frames is not None and (data.num_frames - 1) % 4 != 0:
+        raise bad("training.data.num_frames", data.num_frames, "a frame count of the form 4k+1")
+    if data.tiny_num_frames < 1 or (data.tiny_num_frames - 1) % 4 != 0:
+        raise bad("training.data.tiny_num_frames", data.tiny_num_frames, "a frame count of the form 4k+1")
+    for i, entry in enumerate(data.mix):
+        if set(entry) - {"data_path", "weight"} or "data_path" not in entry:
+            raise bad(f"training.data.mix[{i}]", entry, "a mapping with data_path and optional weight")
+        if float(entry.get("weight", 1.0)) <= 0:
+            raise bad(f"training.data.mix[{i}].weight", entry.get("weight"), "a number > 0")
+    ck = cfg.training.checkpoint
+    if ck.training_state_checkpointing_steps < 0:
+        raise bad(
+            "training.checkpoint.training_state_checkpointing_steps",
+            ck.training_state_checkpointing_steps,
+            "an integer >= 0 (0 = off)",
+        )
+    if ck.checkpoints_total_limit < 0:
+        raise bad("training.checkpoint.checkpoints_total_limit", ck.checkpoints_total_limit, "an integer >= 0")
+    if not ck.output_dir:
+        raise bad("training.checkpoint.output_dir", ck.output_dir, "a folder path")
+    tm = cfg.training.model
+    if tm.logit_std < 0:
+        raise bad("training.model.logit_std", tm.logit_std, "a number >= 0")
+    if cfg.training.tracker.log_every < 1:
+        raise bad("training.tracker.log_every", cfg.training.tracker.log_every, "an integer >= 1")
+    for name in cfg.training.tracker.trackers:
+        if name not in ("tensorboard", "wandb", "none"):
+            raise bad("training.tracker.trackers", name, "'tensorboard', 'wandb' or 'none'")
+    st = cfg.models.student
+    if st.flow_shift <= 0:
+        raise bad("models.student.flow_shift", st.flow_shift, "a number > 0")
+    if st.init_from is None and st.transformer_config is None:
+        raise bad("models.student.init_from", None, "a Hub id or folder, or models.student.transformer_config")
+    if st.lora.rank < 1:
+        raise bad("models.student.lora.rank", st.lora.rank, "an integer >= 1")
+    if st.lora.alpha <= 0:
+        raise bad("models.student.lora.alpha", st.lora.alpha, "a number > 0")
+    if not 0.0 <= st.lora.dropout < 1.0:
+        raise bad("models.student.lora.dropout", st.lora.dropout, "a number in [0, 1)")
+    if (st.latents_mean is None) != (st.latents_std is None):
+        raise bad("models.student.latents_std", st.latents_std, "set together with latents_mean")
+    if st.latents_std is not None and any(s <= 0 for s in st.latents_std):
+        raise bad("models.student.latents_std", st.latents_std, "positive numbers")
+    if cfg.callbacks.grad_clip.max_grad_norm < 0:
+        raise bad("callbacks.grad_clip.max_grad_norm", cfg.callbacks.grad_clip.max_grad_norm, "a number >= 0")
+    if not 0.0 < cfg.callbacks.ema.decay < 1.0:
+        raise bad("callbacks.ema.decay", cfg.callbacks.ema.decay, "a number in (0, 1)")
+    val = cfg.callbacks.validation
+    if val.every_steps < 1:
+        raise bad("callbacks.validation.every_steps", val.every_steps, "an integer >= 1")
+    if val.sampling_steps < 1:
+        raise bad("callbacks.validation.sampling_steps", val.sampling_steps, "an integer >= 1")
+    if not 0.0 <= val.heldout_fraction < 1.0:
+        raise bad("callbacks.validation.heldout_fraction", val.heldout_fraction, "a number in [0, 1)")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def default_recipe(method: str) -> Path:
+    """The built-in tiny recipe for a method ("finetune" or "dfsft")."""
+    return CONFIG_DIR / f"tiny_{method}.yaml"
+
+
+def _parse_override_value(text: str) -> Any:
+    # YAML scalars: numbers, booleans, null, lists ("[1, 2]"); anything else stays a string.
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(
+    path_or_dict: Union[str, os.PathLike, dict, None],
+    overrides: Optional[dict[str, Any]] = None,
+) -> RunConfig:
+    """Load a recipe (YAML path or dict) and apply dotted overrides; validate strictly."""
+    if path_or_dict is None:
+        data, source = {}, "<defaults>"
+    elif isinstance(path_or_dict, dict):
+        data, source = _deep_copy(path_or_dict), "<dict>"
+    else:
+        path = Path(path_or_dict)
+        source = str(path)
+        data = _read_yaml(path)
+    for dotted, value in (overrides or {}).items():
+        if isinstance(value, str):
+            value = _parse_override_value(value)
+        _set_dotted(data, dotted, value)
+    if overrides:
+        source = f"{source} (with overrides {', '.join(overrides)})"
+    cfg = _build_dataclass(RunConfig, data, "", source)
+    validate(cfg, source)
+    cfg._source = source  # type: ignore[attr-defined]
+    return cfg
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: recipe file not found")
+    with open(path, encoding="utf-8") as fh:
+        try:
+            data = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the recipe must be a mapping of sections")
+    return data
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def parse_cli(argv: list[str], method: str) -> tuple[RunConfig, dict]:
+    """Parse `--config PATH`, `--dry-run`, `--output_dir DIR`, `--resume_from_checkpoint X` and
+    dotted overrides (`--training.optimizer.learning_rate 2e-6` or `--key=value`).
+
+    Returns the config and the flags (`dry_run`).
+    """
+    config_path: Optional[str] = None
+    overrides: dict[str, Any] = {}
+    flags = {"dry_run": False}
+    shorthands = {
+        "output_dir": "training.checkpoint.output_dir",
+        "resume_from_checkpoint": "training.checkpoint.resume_from_checkpoint",
+        "max_train_steps": "training.loop.max_train_steps",
+        "seed": "training.data.seed",
+    }
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            raise SystemExit(_HELP.format(method=method))
+        if not arg.startswith("--"):
+            raise ConfigError(f"command line: unexpected argument {arg!r} (options start with --)")
+        name, eq, inline = arg[2:].partition("=")
+        name_norm = name.replace("-", "_") if "." not in name else name
+        if name_norm == "dry_run":
+            flags["dry_run"] = True
+            i += 1
+            continue
+        if eq:
+            value = inline
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"command line: option --{name} needs a value")
+            value = argv[i + 1]
+            i += 2
+        if name_norm == "config":
+            config_path = value
+        elif name_norm in shorthands:
+            overrides[shorthands[name_norm]] = value
+        elif "." in name:
+            overrides[name] = value
+        else:
+            raise ConfigError(
+                f"command line: unknown option --{name}; use --config, --dry-run, "
+                f"{', '.join('--' + s for s in shorthands)} or a dotted recipe key"
+            )
+    if config_path is None:
+        config_path = str(default_recipe(method))
+    # The entry script decides the method family; a recipe may name it (or TFSFT, a DFSFT variant).
+    allowed = {"finetune": ("finetune",), "dfsft": ("dfsft", "tfsft")}[method]
+    named = overrides.get("method.name") or (_read_yaml(Path(config_path)).get("method") or {}).get("name")
+    if named is None:
+        overrides["method.name"] = method
+    elif named not in allowed:
+        raise ConfigError(
+            f"{config_path}: key 'method.name' is {named!r}, but train_{method}.py runs "
+            f"{' or '.join(allowed)}; use the matching entry script"
+        )
+    cfg = load_config(config_path, overrides)
+    return cfg, flags
+
+
+_HELP = """usage: accelerate launch train_{method}.py [--config RECIPE.yaml] [--dry-run]
+       [--output_dir DIR] [--resume_from_checkpoint latest|PATH] [--section.key VALUE ...]
+
+Without --config the built-in tiny recipe configs/tiny_{method}.yaml is used.
+Any recipe key can be overridden with its dotted name, e.g. --training.optimizer.learning_rate 2e-6.
+"""

@@ -1,0 +1,312 @@
+"""The training loader: precomputed latents, (T, H, W) buckets, per-epoch reshuffle, resumable position.
+
+Batching is arranged so that the result does not depend on how the work is split: each optimizer
+step consumes one *group* of `batch * world_size * grad_accum` samples from one bucket; micro-batch
+`j` of rank `r` takes slice `j * world_size + r` of the group. One process with batch 2, two with
+batch 1, and one with batch 1 and two accumulation steps all see the same samples per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from fv_accel.data.schema import REQUIRED_COLUMNS, bytes_to_tensor, parquet_files
+from fv_accel.methods.base import sample_generator_seed
+
+logger = logging.getLogger(__name__)
+
+TEXT_MAX_LENGTH = 512
+
+
+class LatentDataset(Dataset):
+    """Rows of FastVideo-schema Parquet files; items are addressed by (index, epoch, position)."""
+
+    def __init__(self, data_path: str, *, text_max_length: int = TEXT_MAX_LENGTH, cfg_rate: float = 0.0, seed: int = 0):
+        import datasets
+
+        self.data_path = str(data_path)
+        self.files = parquet_files(data_path)
+        self.ds = datasets.Dataset.from_parquet(self.files)
+        missing = [c for c in REQUIRED_COLUMNS if c not in self.ds.column_names]
+        if missing:
+            raise ValueError(
+                f"{self.data_path}: missing column(s) {', '.join(missing)}; expected FastVideo's schema "
+                f"({', '.join(REQUIRED_COLUMNS)})"
+            )
+        if len(self.ds) == 0:
+            raise ValueError(f"{self.data_path}: the dataset is empty (0 rows)")
+        self.latent_shapes = [tuple(int(v) for v in s) for s in self.ds["vae_latent_shape"]]
+        self.text_max_length = text_max_length
+        self.cfg_rate = float(cfg_rate)
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def bucket_key(self, i: int) -> tuple[int, int, int]:
+        return self.latent_shapes[i][1:]  # (T, H, W)
+
+    def __getitem__(self, key: Any) -> dict:
+        index, epoch, position = key if isinstance(key, tuple) else (key, 0, 0)
+        row = self.ds[int(index)]
+        where = f"{self.data_path} row {index}: "
+        latent = bytes_to_tensor(row["vae_latent_bytes"], row["vae_latent_shape"], row["vae_latent_dtype"], where=where)
+        text = bytes_to_tensor(
+            row["text_embedding_bytes"], row["text_embedding_shape"], row["text_embedding_dtype"], where=where
+        ).float()
+        if text.ndim == 3 and text.shape[0] == 1:
+            text = text[0]
+        length = min(text.shape[0], self.text_max_length)
+        padded = torch.zeros(self.text_max_length, text.shape[-1], dtype=torch.float32)
+        padded[:length] = text[:length]
+        mask = torch.zeros(self.text_max_length, dtype=torch.long)
+        mask[:length] = 1
+        if self.cfg_rate > 0:
+            # CFG dropout keyed by (seed, epoch, index): reproducible and independent of the split.
+            g = torch.Generator().manual_seed(sample_generator_seed(self.seed + 7919, epoch, int(index)))
+            if torch.rand((), generator=g).item() < self.cfg_rate:
+                padded.zero_()
+        return {
+            "vae_latent": latent.float(),
+            "text_embedding": padded,
+            "text_attention_mask": mask,
+            "caption": row.get("caption", "") or "",
+            "sample_index": int(index),
+            "epoch": int(epoch),
+            "position": int(position),
+        }
+
+
+def collate(items: list[dict]) -> dict:
+    shapes = {tuple(it["vae_latent"].shape) for it in items}
+    if len(shapes) != 1:
+        raise RuntimeError(f"a batch mixes latent shapes {sorted(shapes)} (bucketing bug)")
+    return {
+        "vae_latent": torch.stack([it["vae_latent"] for it in items]),
+        "text_embedding": torch.stack([it["text_embedding"] for it in items]),
+        "text_attention_mask": torch.stack([it["text_attention_mask"] for it in items]),
+        "caption": [it["caption"] for it in items],
+        "sample_index": torch.tensor([it["sample_index"] for it in items], dtype=torch.long),
+        "epoch": torch.tensor([it["epoch"] for it in items], dtype=torch.long),
+        "position": items[0]["position"],
+    }
+
+
+@dataclass
+class LoaderPosition:
+    epoch: int = 0
+    step_in_epoch: int = 0  # optimizer steps (groups) consumed in this epoch
+
+
+class BucketBatchSampler:
+    """Yields this rank's micro-batches, as lists of (index, epoch, position) keys, forever.
+
+    Per epoch: indices of each bucket are shuffled with a generator seeded by (seed, epoch), cut
+    into groups of `batch_size * world_size * grad_accum`, and the groups of all buckets are
+    shuffled together. A bucket's incomplete last group is dropped and reported once per epoch.
+    """
+
+    def __init__(
+        self,
+        bucket_keys: Sequence[tuple],
+        *,
+        batch_size: int,
+        world_size: int = 1,
+        rank: int = 0,
+        grad_accum: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        weights: Optional[Sequence[float]] = None,
+    ):
+        self.bucket_keys = list(bucket_keys)
+        self.batch_size = batch_size
+        self.world_size = world_size
+        self.rank = rank
+        self.grad_accum = grad_accum
+        self.seed = seed
+        self.shuffle = shuffle
+        self.weights = list(weights) if weights is not None else None
+        self.group_size = batch_size * world_size * grad_accum
+        self.position = LoaderPosition()
+        self.dropped_per_epoch = 0
+        if not self.epoch_groups(0):
+            largest = max(self._buckets().values(), key=len)
+            raise ValueError(
+                f"no bucket holds enough samples for one step: {self.group_size} needed "
+                f"(batch {batch_size} x {world_size} processes x {grad_accum} accumulation), "
+                f"largest bucket has {len(largest)}"
+            )
+
+    def _buckets(self) -> dict[tuple, list[int]]:
+        buckets: dict[tuple, list[int]] = defaultdict(list)
+        for i, key in enumerate(self.bucket_keys):
+            buckets[key].append(i)
+        return buckets
+
+    def epoch_groups(self, epoch: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        groups: list[list[int]] = []
+        dropped = 0
+        buckets = self._buckets()
+        for key in sorted(buckets):
+            idx = buckets[key]
+            if self.weights is not None:
+                idx = self._weighted(idx, g)
+            if self.shuffle:
+                idx = [idx[j] for j in torch.randperm(len(idx), generator=g).tolist()]
+            full = len(idx) // self.group_size
+            dropped += len(idx) - full * self.group_size
+            groups += [idx[k * self.group_size : (k + 1) * self.group_size] for k in range(full)]
+        if self.shuffle:
+            groups = [groups[j] for j in torch.randperm(len(groups), generator=g).tolist()]
+        self.dropped_per_epoch = dropped
+        return groups
+
+    def _weighted(self, idx: list[int], g: torch.Generator) -> list[int]:
+        """Multi-dataset mixing: resample each bucket by per-sample weights (with replacement)."""
+        w = torch.tensor([self.weights[i] for i in idx], dtype=torch.float64)
+        draws = torch.multinomial(w, num_samples=len(idx), replacement=True, generator=g)
+        return [idx[j] for j in draws.tolist()]
+
+    def steps_per_epoch(self) -> int:
+        return len(self.epoch_groups(self.position.epoch))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.position.epoch, "step_in_epoch": self.position.step_in_epoch, "group_size": self.group_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state.get("group_size", self.group_size)) != self.group_size:
+            logger.warning(
+                "resuming with %d samples per step instead of %s: the data order continues from the "
+                "same epoch but not sample for sample",
+                self.group_size,
+                state.get("group_size"),
+            )
+        self.position = LoaderPosition(int(state["epoch"]), int(state["step_in_epoch"]))
+
+    def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
+        epoch, start = self.position.epoch, self.position.step_in_epoch
+        while True:
+            groups = self.epoch_groups(epoch)
+            if self.dropped_per_epoch and start == 0:
+                logger.info(
+                    "epoch %d: %d sample(s) left out this epoch (bucket remainders smaller than %d per step)",
+                    epoch,
+                    self.dropped_per_epoch,
+                    self.group_size,
+                )
+            for step in range(start, len(groups)):
+                group = groups[step]
+                for micro in range(self.grad_accum):
+                    part = micro * self.world_size + self.rank
+                    chunk = group[part * self.batch_size : (part + 1) * self.batch_size]
+                    yield [(i, epoch, step) for i in chunk]
+            epoch, start = epoch + 1, 0
+
+
+class TrainLoader:
+    """A DataLoader over the bucket sampler that knows its position for checkpoints."""
+
+    def __init__(self, dataset: LatentDataset, sampler: BucketBatchSampler, num_workers: int = 0):
+        self.dataset = dataset
+        self.sampler = sampler
+        self.num_workers = num_workers
+        self._consumed = LoaderPosition(sampler.position.epoch, sampler.position.step_in_epoch)
+
+    def __iter__(self) -> Iterator[dict]:
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=self.sampler,
+            collate_fn=collate,
+            num_workers=self.num_workers,
+            persistent_workers=False,
+        )
+        for batch in loader:
+            yield batch
+
+    def mark_step_done(self, batch: dict) -> None:
+        """Record that the optimizer step that used `batch` is finished (for the checkpoint)."""
+        self._consumed = LoaderPosition(int(batch["epoch"][0]), int(batch["position"]) + 1)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._consumed.epoch, "step_in_epoch": self._consumed.step_in_epoch, "group_size": self.sampler.group_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+        self._consumed = LoaderPosition(self.sampler.position.epoch, self.sampler.position.step_in_epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self._consumed.epoch
+
+
+def build_train_loader(cfg, *, world_size: int, rank: int, data_path: Optional[str] = None) -> TrainLoader:
+    data = cfg.training.data
+    path = data_path or data.data_path
+    dataset = LatentDataset(path, cfg_rate=data.training_cfg_rate, seed=data.seed)
+    weights = None
+    if data.mix:
+        dataset, weights = _mix_datasets(dataset, data)
+    sampler = BucketBatchSampler(
+        [dataset.bucket_key(i) for i in range(len(dataset))],
+        batch_size=data.train_batch_size,
+        world_size=world_size,
+        rank=rank,
+        grad_accum=cfg.training.loop.gradient_accumulation_steps,
+        seed=data.seed,
+        weights=weights,
+    )
+    return TrainLoader(dataset, sampler, num_workers=data.dataloader_num_workers)
+
+
+class ConcatLatentDataset(Dataset):
+    def __init__(self, parts: list[LatentDataset]):
+        self.parts = parts
+        self.offsets = [0]
+        for p in parts:
+            self.offsets.append(self.offsets[-1] + len(p))
+        self.data_path = "+".join(p.data_path for p in parts)
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def _locate(self, i: int) -> tuple[LatentDataset, int]:
+        for k, part in enumerate(self.parts):
+            if i < self.offsets[k + 1]:
+                return part, i - self.offsets[k]
+        raise IndexError(i)
+
+    def bucket_key(self, i: int) -> tuple:
+        part, j = self._locate(i)
+        return part.bucket_key(j)
+
+    def __getitem__(self, key: Any) -> dict:
+        index, epoch, position = key if isinstance(key, tuple) else (key, 0, 0)
+        part, j = self._locate(int(index))
+        item = part[(j, epoch, position)]
+        item["sample_index"] = int(index)
+        return item
+
+
+def _mix_datasets(first: LatentDataset, data) -> tuple[ConcatLatentDataset, list[float]]:
+    parts = [first] + [
+        LatentDataset(m["data_path"], cfg_rate=data.training_cfg_rate, seed=data.seed) for m in data.mix
+    ]
+    # A dataset's weight is its share of the draws, spread over its samples.
+    shares = [1.0] + [float(m.get("weight", 1.0)) for m in data.mix]
+    weights: list[float] = []
+    for part, share in zip(parts, shares):
+        weights += [share / len(part)] * len(part)
+    return ConcatLatentDataset(parts), weights
+
+
+def latent_tokens(shape: Sequence[int], patch: Sequence[int] = (1, 2, 2)) -> int:
+    """Transformer tokens of one latent [C, T, H, W] (for throughput figures)."""
+    return math.prod(s // p for s, p in zip(shape[-3:], patch))

@@ -1,0 +1,148 @@
+"""FastVideo's precomputed-latent Parquet schema (REFERENCE.md section 7), read and written with `datasets`.
+
+A row holds the VAE latent [C, T, H, W] and the text embedding [L, D] as raw bytes with their shape
+and dtype, plus the clip's metadata. Datasets preprocessed by FastVideo load unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+REQUIRED_COLUMNS = (
+    "vae_latent_bytes",
+    "vae_latent_shape",
+    "vae_latent_dtype",
+    "text_embedding_bytes",
+    "text_embedding_shape",
+    "text_embedding_dtype",
+)
+METADATA_COLUMNS = ("id", "file_name", "caption", "media_type", "width", "height", "num_frames", "duration_sec", "fps")
+
+_DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": "bfloat16",
+    "float64": np.float64,
+}
+
+
+def tensor_to_bytes(t: torch.Tensor) -> tuple[bytes, list[int], str]:
+    t = t.detach().cpu().contiguous()
+    dtype = str(t.dtype).replace("torch.", "")
+    if t.dtype == torch.bfloat16:
+        raw = t.view(torch.int16).numpy().tobytes()
+    else:
+        raw = t.numpy().tobytes()
+    return raw, list(t.shape), dtype
+
+
+def bytes_to_tensor(raw: bytes, shape: Iterable[int], dtype: str, *, where: str = "") -> torch.Tensor:
+    shape = [int(s) for s in shape]
+    key = str(dtype).replace("torch.", "")
+    if key not in _DTYPES:
+        raise ValueError(f"{where}unsupported dtype {dtype!r}; expected one of {', '.join(_DTYPES)}")
+    if key == "bfloat16":
+        arr = np.frombuffer(raw, dtype=np.int16)
+        t = torch.from_numpy(arr.copy()).view(torch.bfloat16)
+    else:
+        arr = np.frombuffer(raw, dtype=_DTYPES[key])
+        t = torch.from_numpy(arr.copy())
+    if t.numel() != int(np.prod(shape)):
+        raise ValueError(f"{where}{t.numel()} values stored for shape {shape}")
+    return t.reshape(shape)
+
+
+def make_row(
+    *,
+    sample_id: str,
+    latent: torch.Tensor,
+    text_embedding: torch.Tensor,
+    caption: str,
+    file_name: str = "",
+    media_type: str = "video",
+    width: int = 0,
+    height: int = 0,
+    num_frames: int = 0,
+    duration_sec: float = 0.0,
+    fps: float = 0.0,
+    **extra: Any,
+) -> dict:
+    lb, ls, ld = tensor_to_bytes(latent)
+    tb, ts, td = tensor_to_bytes(text_embedding)
+    row = {
+        "id": sample_id,
+        "vae_latent_bytes": lb,
+        "vae_latent_shape": ls,
+        "vae_latent_dtype": ld,
+        "text_embedding_bytes": tb,
+        "text_embedding_shape": ts,
+        "text_embedding_dtype": td,
+        "file_name": file_name,
+        "caption": caption,
+        "media_type": media_type,
+        "width": int(width),
+        "height": int(height),
+        "num_frames": int(num_frames),
+        "duration_sec": float(duration_sec),
+        "fps": float(fps),
+    }
+    row.update(extra)
+    return row
+
+
+def write_rows(rows: list[dict], path: str | Path) -> Path:
+    """Write rows as one Parquet shard (through a temporary name, so a crash leaves no partial file)."""
+    import datasets
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp))
+    tmp.replace(path)
+    return path
+
+
+DATASET_INFO = "fv_dataset.json"
+
+
+def write_dataset_info(folder: str | Path, *, model: str, vae_config: Any, **extra: Any) -> Path:
+    """Record which model encoded a dataset, with its VAE's latent statistics, beside the shards."""
+    import json
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    info = {
+        "model": model,
+        "latents_mean": list(vae_config.get("latents_mean") or []) or None,
+        "latents_std": list(vae_config.get("latents_std") or []) or None,
+        **extra,
+    }
+    path = folder / DATASET_INFO
+    path.write_text(json.dumps(info, indent=2) + "\n")
+    return path
+
+
+def read_dataset_info(data_path: str | Path) -> dict:
+    import json
+
+    p = Path(data_path)
+    path = (p if p.is_dir() else p.parent) / DATASET_INFO
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+def parquet_files(data_path: str | Path) -> list[str]:
+    p = Path(data_path)
+    if p.is_file():
+        return [str(p)]
+    if p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*.parquet") if not f.name.startswith("."))
+        if files:
+            return files
+        raise FileNotFoundError(f"training.data.data_path: no .parquet files under '{p}'")
+    raise FileNotFoundError(f"training.data.data_path: '{p}' does not exist")

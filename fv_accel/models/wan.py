@@ -1,0 +1,197 @@
+"""The diffusers video-transformer student: Wan 2.1/2.2 and SkyReels-V2 (same state-dict keys).
+
+How per-frame timesteps reach the transformer (REFERENCE.md section 5):
+- `WanTransformer3DModel` takes [B] or per token [B, F'*H'*W']; tokens are frame-major, so a
+  per-frame [B, T] becomes per-token with `repeat_interleave(H' * W', dim=1)`.
+- `SkyReelsV2Transformer3DModel` takes [B, T] with `enable_diffusion_forcing=True`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from diffusers import SkyReelsV2Transformer3DModel, WanTransformer3DModel
+
+from fv_accel.config import RunConfig, StudentConfig
+from fv_accel.models.base import ModelBase, TrainingBatch
+from fv_accel.models.loading import DTYPES, load_component_config, load_transformer
+from fv_accel.schedulers import FlowMatchTable, GeneratorLike, randn
+
+logger = logging.getLogger(__name__)
+
+TRANSFORMER_CLASSES = {
+    "wan": WanTransformer3DModel,
+    "skyreels_v2": SkyReelsV2Transformer3DModel,
+}
+CLASS_NAME_TO_KIND = {cls.__name__: kind for kind, cls in TRANSFORMER_CLASSES.items()}
+
+
+def build_transformer(cfg: StudentConfig) -> tuple[torch.nn.Module, str]:
+    """Load from a Hub id / local folder, or build from the inline config (seeded by the caller)."""
+    if cfg.init_from is None:
+        kind = "wan" if cfg.model_class == "auto" else cfg.model_class
+        transformer = TRANSFORMER_CLASSES[kind](**dict(cfg.transformer_config or {}))
+        return transformer.to(DTYPES[cfg.torch_dtype]), kind
+    transformer = load_transformer(cfg, TRANSFORMER_CLASSES, CLASS_NAME_TO_KIND)
+    return transformer, CLASS_NAME_TO_KIND[type(transformer).__name__]
+
+
+class WanStudent(ModelBase):
+    """A trainable Wan-family transformer (WanTransformer3DModel or SkyReelsV2Transformer3DModel)."""
+
+    def __init__(self, cfg: RunConfig, *, trainable: bool = True):
+        super().__init__()
+        self.run_config = cfg
+        self.student_config = cfg.models.student
+        self.transformer, self.kind = build_transformer(self.student_config)
+        self._trainable = trainable
+        self.supports_per_frame_timesteps = self.kind in ("wan", "skyreels_v2")
+        self.patch_size = tuple(self.transformer.config.patch_size)
+        self.in_channels = int(self.transformer.config.in_channels)
+        self.transformer.requires_grad_(trainable)
+        if cfg.training.model.enable_gradient_checkpointing_type == "full":
+            self.transformer.enable_gradient_checkpointing()
+        self.latents_mean: Optional[torch.Tensor] = None
+        self.latents_std: Optional[torch.Tensor] = None
+
+    # ---- set-up ----
+    def init_preprocessors(self, training_config: Any) -> None:
+        self.table = FlowMatchTable(self.student_config.flow_shift)
+        self.training_model_config = training_config.model
+        mean, std = self.student_config.latents_mean, self.student_config.latents_std
+        if mean is None and self.student_config.init_from is not None:
+            vae_config = load_component_config(self.student_config, "vae")
+            if vae_config is not None and vae_config.get("latents_mean") is not None:
+                mean, std = vae_config["latents_mean"], vae_config["latents_std"]
+        if mean is not None:
+            if len(mean) != self.in_channels or len(std) != self.in_channels:
+                raise ValueError(
+                    f"models.student.latents_mean/latents_std: {len(mean)}/{len(std)} values for a "
+                    f"transformer with {self.in_channels} latent channels"
+                )
+            self.latents_mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
+            self.latents_std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1, 1)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        if self.latents_mean is None:
+            return latents
+        return (latents - self.latents_mean.to(latents.device)) / self.latents_std.to(latents.device)
+
+    # ---- per step ----
+    def prepare_batch(
+        self, batch: dict, *, generator: GeneratorLike, latents_source: str = "data"
+    ) -> TrainingBatch:
+        """Normalise latents, draw noise then homogeneous timesteps, noise the latents.
+
+        Draw order on the generator: noise [B, C, T, H, W], then u [B] (REFERENCE.md section 2).
+        """
+        if latents_source != "data":
+            raise ValueError(f"latents_source={latents_source!r}: only 'data' is supported")
+        if self.table is None:
+            raise RuntimeError("init_preprocessors() must run before prepare_batch()")
+        device = self.accelerator.device if self.accelerator is not None else self.device
+        latents = batch["vae_latent"].to(device=device, dtype=torch.float32)
+        if latents.ndim != 5:
+            raise ValueError(f"batch['vae_latent'] must be [B, C, T, H, W], got {tuple(latents.shape)}")
+        if latents.shape[1] != self.in_channels:
+            raise ValueError(
+                f"latents have {latents.shape[1]} channels but the transformer expects {self.in_channels}"
+            )
+        latents = self.normalize_latents(latents)
+        bsz = latents.shape[0]
+        noise = randn(latents.shape, generator, device)
+        tm = self.training_model_config
+        idx = self.table.sample_homogeneous_indices(
+            bsz,
+            generator,
+            device,
+            weighting_scheme=tm.weighting_scheme,
+            logit_mean=tm.logit_mean,
+            logit_std=tm.logit_std,
+            mode_scale=tm.mode_scale,
+        )
+        sigmas = self.table.sigmas_at(idx)
+        text = batch["text_embedding"].to(device=device, dtype=torch.float32)
+        mask = batch.get("text_attention_mask")
+        return TrainingBatch(
+            latents=latents,
+            noise=noise,
+            noisy_model_input=self.table.add_noise(latents, noise, sigmas),
+            timestep_indices=idx,
+            sigmas=sigmas,
+            timesteps=self.table.timesteps_at(idx),
+            encoder_hidden_states=text,
+            encoder_attention_mask=None if mask is None else mask.to(device),
+        )
+
+    def timestep_input(self, timesteps: torch.Tensor, latent_shape: torch.Size) -> tuple[torch.Tensor, dict]:
+        """The timestep tensor and extra kwargs the transformer needs for [B] or per-frame [B, T]."""
+        if timesteps.ndim == 1:
+            return timesteps, {}
+        if timesteps.ndim != 2 or timesteps.shape[1] != latent_shape[2]:
+            raise ValueError(
+                f"per-frame timesteps must be [B, T={latent_shape[2]}], got {tuple(timesteps.shape)}"
+            )
+        if self.kind == "skyreels_v2":
+            return timesteps, {"enable_diffusion_forcing": True}
+        if self.kind == "wan":
+            p_t, p_h, p_w = self.patch_size
+            if p_t != 1:
+                raise ValueError("per-frame timesteps need a temporal patch size of 1")
+            tokens_per_frame = (latent_shape[3] // p_h) * (latent_shape[4] // p_w)
+            return timesteps.repeat_interleave(tokens_per_frame, dim=1), {}
+        raise ValueError(f"{self.kind} transformer cannot take per-frame timesteps")
+
+    def predict_noise(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        training_batch: TrainingBatch,
+        *,
+        conditional: bool = True,
+        attn_kind: str = "dense",
+    ) -> torch.Tensor:
+        """The transformer's output for x_t, read as a flow velocity; [B, C, T, H, W]."""
+        del attn_kind  # attention kind is fixed by the installed attention processor
+        text = training_batch.encoder_hidden_states
+        if not conditional:
+            text = torch.zeros_like(text)
+        t, extra = self.timestep_input(timesteps, noisy_latents.shape)
+        dtype = next(self.transformer.parameters()).dtype
+        out = self.transformer(
+            hidden_states=noisy_latents.to(dtype),
+            timestep=t,
+            encoder_hidden_states=text.to(dtype),
+            return_dict=False,
+            **extra,
+        )[0]
+        return out
+
+    # ---- outputs ----
+    def save_final(self, accelerator: Any, output_dir: Any) -> None:
+        """Write the trained transformer as a diffusers folder (`<output_dir>/transformer`).
+
+        `get_state_dict` gathers sharded parameters (FSDP2, ZeRO-3) on every rank; only the main
+        process writes, safetensors only.
+        """
+        from pathlib import Path
+
+        from accelerate.utils import DistributedType
+
+        out = Path(output_dir) / "transformer"
+        sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        state_dict = accelerator.get_state_dict(self.transformer) if sharded else None
+        if accelerator.is_main_process:
+            unwrapped = accelerator.unwrap_model(self.transformer)
+            if state_dict is not None:
+                # Rebuild a plain module on CPU from the gathered full state dict, then save it.
+                unwrapped = type(unwrapped).from_config(unwrapped.config)
+                unwrapped.load_state_dict(state_dict)
+            unwrapped.save_pretrained(out, safe_serialization=True)
+        accelerator.wait_for_everyone()

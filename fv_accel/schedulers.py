@@ -1,0 +1,144 @@
+"""Flow-matching scheduler adapter: the one place that knows sigmas and timesteps.
+
+Built on diffusers' `FlowMatchEulerDiscreteScheduler` (no dynamic shifting). Index 0 of the table
+is pure noise (sigma 1, t 1000); index N-1 is the cleanest (REFERENCE.md section 1).
+
+Random draws accept either one `torch.Generator` (the rank's stream) or a list with one generator
+per sample (the `noise_rng: sample` mode, where every sample's draws depend only on its own key).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Union
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.training_utils import compute_density_for_timestep_sampling
+
+GeneratorLike = Union[torch.Generator, Sequence[torch.Generator]]
+
+
+def _per_sample(generator: GeneratorLike) -> bool:
+    return not isinstance(generator, torch.Generator)
+
+
+def randn(shape: Sequence[int], generator: GeneratorLike, device: torch.device) -> torch.Tensor:
+    """Standard normal noise of `shape` ([B, ...]) in fp32."""
+    if not _per_sample(generator):
+        return torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
+    if len(generator) != shape[0]:
+        raise ValueError(f"{len(generator)} per-sample generators for a batch of {shape[0]}")
+    return torch.cat(
+        [torch.randn((1, *shape[1:]), generator=g, device=device, dtype=torch.float32) for g in generator]
+    )
+
+
+def randint(low: int, high: int, shape: Sequence[int], generator: GeneratorLike, device: torch.device) -> torch.Tensor:
+    if not _per_sample(generator):
+        return torch.randint(low, high, tuple(shape), generator=generator, device=device)
+    return torch.cat([torch.randint(low, high, (1, *shape[1:]), generator=g, device=device) for g in generator])
+
+
+class FlowMatchTable:
+    """The training table: sigma_i and t_i for i = 0..N-1, descending noise."""
+
+    def __init__(self, shift: float, num_train_timesteps: int = 1000):
+        self.shift = float(shift)
+        self.num_train_timesteps = int(num_train_timesteps)
+        self.scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=self.num_train_timesteps, shift=self.shift, use_dynamic_shifting=False
+        )
+        # The scheduler keeps the table in fp32; index i <-> u_i = (N - i) / N.
+        self.sigmas = self.scheduler.sigmas[: self.num_train_timesteps].to(torch.float32).clone()
+        self.timesteps = self.scheduler.timesteps[: self.num_train_timesteps].to(torch.float32).clone()
+        if self.sigmas.numel() != self.num_train_timesteps:
+            raise RuntimeError("unexpected scheduler table length")
+
+    # ---- homogeneous sampling (FineTuneMethod) ----
+    def sample_homogeneous_indices(
+        self,
+        batch_size: int,
+        generator: GeneratorLike,
+        device: torch.device,
+        weighting_scheme: str = "uniform",
+        logit_mean: float = 0.0,
+        logit_std: float = 1.0,
+        mode_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """i = floor(u * N) with u from diffusers' density helper; shape [B], long."""
+        gens = generator if _per_sample(generator) else [generator]
+        sizes = [1] * batch_size if _per_sample(generator) else [batch_size]
+        us = [
+            compute_density_for_timestep_sampling(
+                weighting_scheme=weighting_scheme,
+                batch_size=n,
+                logit_mean=logit_mean,
+                logit_std=logit_std,
+                mode_scale=mode_scale,
+                device=device,
+                generator=g,
+            )
+            for g, n in zip(gens, sizes)
+        ]
+        u = torch.cat(us)
+        idx = (u * self.num_train_timesteps).long()
+        return idx.clamp_(0, self.num_train_timesteps - 1)
+
+    # ---- per-chunk sampling (DiffusionForcingSFTMethod) ----
+    def sample_chunk_indices(
+        self,
+        batch_size: int,
+        num_frames: int,
+        chunk_size: int,
+        index_range: tuple[int, int],
+        generator: GeneratorLike,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """One index per chunk of `chunk_size` consecutive latent frames, repeated over its frames.
+
+        Returns [B, T] long; chunks start at frame 0 and the last one may be shorter.
+        """
+        num_chunks = math.ceil(num_frames / chunk_size)
+        lo, hi = index_range
+        idx_chunk = randint(lo, hi, (batch_size, num_chunks), generator, device)
+        return idx_chunk.repeat_interleave(chunk_size, dim=1)[:, :num_frames]
+
+    # ---- lookups ----
+    def sigmas_at(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.sigmas.to(idx.device)[idx]
+
+    def timesteps_at(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.timesteps.to(idx.device)[idx]
+
+    @staticmethod
+    def expand_sigma(sigma: torch.Tensor, ndim: int = 5) -> torch.Tensor:
+        """[B] -> [B,1,1,1,1]; [B,T] -> [B,1,T,1,1] (latents are [B,C,T,H,W])."""
+        if sigma.ndim == 1:
+            return sigma.view(-1, *([1] * (ndim - 1)))
+        if sigma.ndim == 2:
+            return sigma[:, None, :, None, None]
+        raise ValueError(f"sigma must be [B] or [B, T], got shape {tuple(sigma.shape)}")
+
+    def add_noise(self, clean: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """Rectified flow: x_t = (1 - sigma) * x0 + sigma * eps, sigma [B] or per frame [B, T]."""
+        s = self.expand_sigma(sigma.to(clean.dtype), clean.ndim)
+        return (1.0 - s) * clean + s * noise
+
+    # ---- DFSFT weights ----
+    def dfsft_weights(self, mode: str = "index") -> torch.Tensor:
+        """Bell weights over the index x = 0..N-1, normalised to mean 1 (REFERENCE.md section 4).
+
+        mode "index": the bell on the index (FastVideo); "timestep": on the timestep value t_x
+        (Causal-Forcing). The two agree only at shift 1.
+        """
+        n = self.num_train_timesteps
+        if mode == "index":
+            x = torch.arange(n, dtype=torch.float64)
+        elif mode == "timestep":
+            x = self.timesteps.to(torch.float64)
+        else:
+            raise ValueError(f"method.weighting: expected 'index' or 'timestep', got {mode!r}")
+        y = torch.exp(-2.0 * ((x - n / 2) / n) ** 2)
+        y_shifted = y - y.min()
+        return (y_shifted * n / y_shifted.sum()).to(torch.float32)
