@@ -33,7 +33,9 @@ def build_transformer(cfg: StudentConfig) -> tuple[torch.nn.Module, str]:
     if cfg.init_from is None:
         kind = "wan" if cfg.model_class == "auto" else cfg.model_class
         transformer = TRANSFORMER_CLASSES[kind](**dict(cfg.transformer_config or {}))
-        return transformer.to(DTYPES[cfg.torch_dtype]), kind
+        if cfg.torch_dtype != "float32":
+            transformer = transformer.to(DTYPES[cfg.torch_dtype])
+        return transformer, kind
     transformer = load_transformer(cfg, TRANSFORMER_CLASSES, CLASS_NAME_TO_KIND)
     return transformer, CLASS_NAME_TO_KIND[type(transformer).__name__]
 

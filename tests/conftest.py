@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny models and datasets built from configs, no network."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    """One generated tiny model/dataset cache for the whole session (never the user's cache)."""
+    cache = tmp_path_factory.mktemp("fv_cache")
+    old = os.environ.get("FV_ACCEL_CACHE")
+    os.environ["FV_ACCEL_CACHE"] = str(cache)
+    os.environ.setdefault("HF_DATASETS_CACHE", str(cache / "hf_datasets"))
+    yield cache
+    if old is None:
+        os.environ.pop("FV_ACCEL_CACHE", None)
+    else:
+        os.environ["FV_ACCEL_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny Wan model in the Hub layout (transformer, vae, text_encoder, tokenizer, scheduler)."""
+    from fv_accel.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_model") / "tiny-wan", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_data_path(_cache_dir):
+    """The built-in tiny dataset (Parquet in FastVideo's schema), built once per session."""
+    from fv_accel.config import default_recipe, load_config
+    from fv_accel.data.tiny import ensure_tiny_dataset
+
+    cfg = load_config(default_recipe("finetune"))
+    return str(ensure_tiny_dataset(cfg.training.data))
+
+
+def tiny_overrides(tmp_path, **extra):
+    """Overrides that keep a tiny run fast and inside tmp_path."""
+    out = {
+        "training.checkpoint.output_dir": str(tmp_path / "out"),
+        "training.tracker.trackers": ["none"],
+        "training.checkpoint.training_state_checkpointing_steps": 0,
+    }
+    out.update(extra)
+    return out
