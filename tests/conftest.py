@@ -55,3 +55,14 @@ def tiny_overrides(tmp_path, **extra):
     }
     out.update(extra)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each in-process run builds its own Accelerator: reset Accelerate's singletons around it."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
