@@ -406,6 +406,10 @@ def validate(cfg: RunConfig, source: str) -> None:
         raise bad("models.student.flow_shift", st.flow_shift, "a number > 0")
     if st.init_from is None and st.transformer_config is None:
         raise bad("models.student.init_from", None, "a Hub id or folder, or models.student.transformer_config")
+    if st.local_attn_size != -1 and st.local_attn_size < 1:
+        raise bad("models.student.local_attn_size", st.local_attn_size, "-1 (no window) or a frame count >= 1")
+    if st.sink_size < 0:
+        raise bad("models.student.sink_size", st.sink_size, "an integer >= 0")
     if st.lora.rank < 1:
         raise bad("models.student.lora.rank", st.lora.rank, "an integer >= 1")
     if st.lora.alpha <= 0:

@@ -2,10 +2,12 @@
 
 from fv_accel.methods.base import TrainingMethod
 from fv_accel.methods.fine_tuning import DiffusionForcingSFTMethod, FineTuneMethod
+from fv_accel.methods.fine_tuning.tfsft import TeacherForcingSFTMethod
 
 METHODS = {
     "finetune": FineTuneMethod,
     "dfsft": DiffusionForcingSFTMethod,
+    "tfsft": TeacherForcingSFTMethod,
 }
 
-__all__ = ["TrainingMethod", "FineTuneMethod", "DiffusionForcingSFTMethod", "METHODS"]
+__all__ = ["TrainingMethod", "FineTuneMethod", "DiffusionForcingSFTMethod", "TeacherForcingSFTMethod", "METHODS"]

@@ -53,6 +53,20 @@ class WanStudent(ModelBase):
         self.patch_size = tuple(self.transformer.config.patch_size)
         self.in_channels = int(self.transformer.config.in_channels)
         self.transformer.requires_grad_(trainable)
+        # Block-causal self-attention (fv_accel/models/attention.py), block size = method.chunk_size.
+        self.supports_causal_attention = True
+        self.causal_attention = None
+        if self.student_config.causal:
+            from fv_accel.methods.fine_tuning.dfsft import parse_chunk_size
+            from fv_accel.models.attention import CausalSpec, install_causal_attention
+
+            self.causal_block_size = parse_chunk_size(cfg.method.chunk_size)
+            spec = CausalSpec(
+                self.causal_block_size, self.student_config.local_attn_size, self.student_config.sink_size
+            )
+            self.causal_attention = install_causal_attention(
+                self.transformer, spec, self.student_config.causal_attention_backend
+            )
         if cfg.training.model.enable_gradient_checkpointing_type == "full":
             self.transformer.enable_gradient_checkpointing()
         self.latents_mean: Optional[torch.Tensor] = None
@@ -174,6 +188,32 @@ class WanStudent(ModelBase):
             **extra,
         )[0]
         return out
+
+    def predict_noise_teacher_forcing(
+        self,
+        context_latents: torch.Tensor,
+        context_timesteps: torch.Tensor,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        training_batch: TrainingBatch,
+        *,
+        conditional: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over [context | noisy] frames (teacher forcing); returns both halves' outputs.
+
+        Needs block-causal attention: noisy block b sees itself and the context copies of blocks < b.
+        """
+        if self.causal_attention is None:
+            raise ValueError("teacher forcing needs block-causal attention: set models.student.causal: true")
+        num_frames = noisy_latents.shape[2]
+        with self.causal_attention.teacher_forcing():
+            out = self.predict_noise(
+                torch.cat([context_latents, noisy_latents], dim=2),
+                torch.cat([context_timesteps, timesteps], dim=1),
+                training_batch,
+                conditional=conditional,
+            )
+        return out[:, :, :num_frames], out[:, :, num_frames:]
 
     # ---- outputs ----
     def save_final(self, accelerator: Any, output_dir: Any) -> None:

@@ -108,14 +108,24 @@ class DiffusionForcingSFTMethod(TrainingMethod):
             raise ValueError(
                 f"method.chunk_size ({self._chunk_size}) must equal the student's causal block size ({block})"
             )
+        if block is None and getattr(self.student, "supports_causal_attention", False) and self.process_index == 0:
+            # Diffusion forcing of a full-sequence model is a valid choice, but never a silent one.
+            logger.warning(
+                "%s trains a bidirectional model: models.student.causal is false, so every frame attends "
+                "to every other frame; set models.student.causal: true for a block-causal student "
+                "(block size = method.chunk_size = %d)",
+                type(self).__name__,
+                self._chunk_size,
+            )
 
     def _build_training_weights(self) -> torch.Tensor:
         mode = self.method_config.get("weighting", "index")
         return self.student.table.dfsft_weights(mode).to(self.device)
 
-    def _prepare(self, batch: dict[str, Any]) -> TrainingBatch:
+    def _prepare(self, batch: dict[str, Any], generator: Any = None) -> TrainingBatch:
         """SFT preparation (noise reused, homogeneous t discarded), then per-chunk noise levels."""
-        generator = self.batch_generator(batch)
+        # A subclass passes its generator(s) to keep drawing from the same stream afterwards.
+        generator = self.batch_generator(batch) if generator is None else generator
         tb = self.student.prepare_batch(batch, generator=generator, latents_source="data")
         for name in ("latents", "noise"):
             if getattr(tb, name) is None:
