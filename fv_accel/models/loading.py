@@ -1,7 +1,9 @@
 """Loading diffusers components from a Hub id or a local folder in the Hub layout.
 
-Errors name the model id and say what to do, instead of surfacing a stack trace from deep inside
-huggingface_hub. `HF_HUB_OFFLINE` and the local cache are honoured by diffusers itself.
+One way to find every component of a model repo (transformer, VAE, text encoder, tokenizer):
+`revision`, `subfolder`, `variant` and `torch_dtype` from the recipe, `HF_HUB_OFFLINE` and the
+local cache honoured (by huggingface_hub itself). Failures become a `ModelLoadError` that names the
+model id and says what to do, instead of a stack trace from deep inside huggingface_hub.
 """
 
 from __future__ import annotations
@@ -22,67 +24,162 @@ class ModelLoadError(OSError):
     pass
 
 
-def _explain(model_id: str, what: str, err: Exception) -> ModelLoadError:
-    local = Path(model_id)
-    if local.exists():
-        hint = f"the folder exists but has no loadable {what}: check its layout ({err.__class__.__name__}: {err})"
-    elif os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub sees it (its constant is read at import time)."""
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return bool(constants.HF_HUB_OFFLINE) or env
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{err.__class__.__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def explain_load_error(
+    model_id: str, what: str, err: Exception, *, revision: Optional[str] = None
+) -> ModelLoadError:
+    """A `ModelLoadError` naming `model_id` (and revision) with the likely cause and the fix."""
+    from huggingface_hub import errors as hf_errors
+
+    rev = f" at revision '{revision}'" if revision else ""
+    if Path(model_id).exists():
+        hint = f"the folder exists but has no loadable {what}: check its layout ({_first_line(err)})"
+    elif isinstance(err, hf_errors.RevisionNotFoundError):
+        hint = f"the revision '{revision}' does not exist in that repo: check models.student.revision"
+    elif isinstance(err, hf_errors.GatedRepoError):
+        hint = "the repo is gated: accept its licence on the Hub, then log in (`hf auth login`)"
+    elif isinstance(err, hf_errors.RepositoryNotFoundError):
+        hint = "no such repo on the Hub (or it is private): check the id, or log in (`hf auth login`)"
+    elif "does not appear to have a file named" in str(err):
+        hint = f"{_first_line(err)}; check models.student.variant/subfolder, and that those files are downloaded"
+    elif isinstance(err, hf_errors.LocalEntryNotFoundError) or hub_offline():
         hint = (
-            "it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download it first "
-            f"(`hf download {model_id}`) on a machine with network, or point init_from at a local folder"
+            "it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download it first on a "
+            f"machine with network (`hf download {model_id}{' --revision ' + revision if revision else ''}`; "
+            "HF_HOME/HF_HUB_CACHE say where the cache is), or point the recipe at a local folder"
         )
+    elif isinstance(err, hf_errors.EntryNotFoundError):
+        hint = f"the repo has no {what}: is it a diffusers-layout repo (a '-Diffusers' id)? ({_first_line(err)})"
     else:
         hint = (
-            "it could not be found on the Hub or in the local cache; check the id/revision, log in "
-            f"for gated repos (`hf auth login`), or point init_from at a local folder ({err.__class__.__name__})"
+            "it could not be fetched from the Hub or the local cache: check the network, the id and revision, "
+            f"or point the recipe at a local folder ({_first_line(err)})"
         )
-    return ModelLoadError(f"could not load {what} of model '{model_id}': {hint}")
+    return ModelLoadError(f"could not load {what} of model '{model_id}'{rev}: {hint}")
 
 
-def load_transformer(cfg: StudentConfig, classes: dict[str, type], class_to_kind: dict[str, str]) -> torch.nn.Module:
-    kwargs = dict(
-        subfolder=cfg.subfolder or None,
-        revision=cfg.revision,
-        variant=cfg.variant,
-        torch_dtype=DTYPES[cfg.torch_dtype],
-    )
-    kind = cfg.model_class
-    if kind == "auto":
-        config = load_component_config(cfg, cfg.subfolder or None, required=True)
-        class_name = config.get("_class_name")
-        if class_name not in class_to_kind:
-            raise ModelLoadError(
-                f"model '{cfg.init_from}': transformer class {class_name!r} is not supported; "
-                f"supported: {', '.join(sorted(class_to_kind))}"
-            )
-        kind = class_to_kind[class_name]
-    try:
-        return classes[kind].from_pretrained(cfg.init_from, **kwargs)
-    except (OSError, ValueError) as err:
-        raise _explain(cfg.init_from, f"transformer (subfolder {cfg.subfolder!r})", err) from None
-
-
-def load_component_config(cfg: StudentConfig, subfolder: Optional[str], required: bool = False) -> Optional[dict[str, Any]]:
-    """The `config.json` of one component (e.g. "vae") of the same repo, or None if absent."""
-    model_id = cfg.init_from
+def fetch_config(
+    model_id: str, subfolder: Optional[str] = None, *, revision: Optional[str] = None, required: bool = True
+) -> Optional[dict[str, Any]]:
+    """`<subfolder>/config.json` of a Hub id (cache honoured) or local folder; None if absent and not
+    required. Fetching this small file first turns a missing model into a clear error early."""
     local = Path(model_id)
+    where = subfolder or "."
     if local.exists():
         path = local / (subfolder or "") / "config.json"
         if not path.is_file():
             if required:
-                raise ModelLoadError(f"model folder '{model_id}' has no {subfolder or '.'}/config.json")
+                raise ModelLoadError(f"model folder '{model_id}' has no {where}/config.json (diffusers layout expected)")
             return None
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    from huggingface_hub import hf_hub_download
+    else:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub import errors as hf_errors
 
-    try:
-        path = hf_hub_download(
-            model_id, "config.json", subfolder=subfolder or None, revision=cfg.revision
-        )
-    except Exception as err:  # huggingface_hub raises several unrelated types here
-        if required:
-            raise _explain(model_id, f"{subfolder or 'root'} config", err) from None
-        return None
+        try:
+            path = Path(hf_hub_download(model_id, "config.json", subfolder=subfolder or None, revision=revision))
+        except (hf_errors.HFValidationError, ValueError) as err:
+            raise ModelLoadError(
+                f"model '{model_id}' is neither an existing local folder nor a valid Hub id ({_first_line(err)})"
+            ) from None
+        except Exception as err:  # huggingface_hub raises several unrelated types here
+            missing_file = isinstance(err, hf_errors.EntryNotFoundError) and not isinstance(
+                err, hf_errors.LocalEntryNotFoundError
+            )
+            if not required and missing_file:
+                return None
+            if not required and isinstance(err, hf_errors.LocalEntryNotFoundError):
+                return None
+            raise explain_load_error(model_id, f"{where}/config.json", err, revision=revision) from None
     with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+        try:
+            return json.load(fh)
+        except json.JSONDecodeError as err:
+            raise ModelLoadError(f"model '{model_id}': {where}/config.json is not valid JSON ({err})") from None
+
+
+def load_component_config(cfg: StudentConfig, subfolder: Optional[str], required: bool = False) -> Optional[dict[str, Any]]:
+    """The `config.json` of one component (e.g. "vae") of the student's repo, or None if absent."""
+    return fetch_config(cfg.init_from, subfolder, revision=cfg.revision, required=required)
+
+
+def load_transformer(cfg: StudentConfig, classes: dict[str, type], class_to_kind: dict[str, str]) -> torch.nn.Module:
+    """The student's transformer from `cfg.init_from` (Hub id or folder), class from its config."""
+    subfolder = cfg.subfolder or None
+    config = fetch_config(cfg.init_from, subfolder, revision=cfg.revision, required=True)
+    kind = cfg.model_class
+    if kind == "auto":
+        class_name = config.get("_class_name")
+        if class_name not in class_to_kind:
+            raise ModelLoadError(
+                f"model '{cfg.init_from}': transformer class {class_name!r} is not supported; "
+                f"supported: {', '.join(sorted(class_to_kind))} (or set models.student.model_class)"
+            )
+        kind = class_to_kind[class_name]
+    try:
+        return classes[kind].from_pretrained(
+            cfg.init_from,
+            subfolder=subfolder,
+            revision=cfg.revision,
+            variant=cfg.variant,
+            torch_dtype=DTYPES[cfg.torch_dtype],
+            use_safetensors=True,  # never fall back to pickled .bin weights
+        )
+    except (OSError, ValueError) as err:
+        what = f"transformer weights (subfolder {cfg.subfolder!r}{', variant ' + repr(cfg.variant) if cfg.variant else ''})"
+        raise explain_load_error(cfg.init_from, what, err, revision=cfg.revision) from None
+
+
+def load_vae(
+    model_id: str, *, revision: Optional[str] = None, torch_dtype: torch.dtype = torch.float32, subfolder: str = "vae"
+):
+    """The repo's `AutoencoderKLWan` (Wan and SkyReels-V2 share it), found like the transformer."""
+    from diffusers import AutoencoderKLWan
+
+    fetch_config(model_id, subfolder, revision=revision, required=True)
+    try:
+        return AutoencoderKLWan.from_pretrained(
+            model_id, subfolder=subfolder, revision=revision, torch_dtype=torch_dtype, use_safetensors=True
+        )
+    except (OSError, ValueError) as err:
+        raise explain_load_error(model_id, f"VAE (subfolder '{subfolder}')", err, revision=revision) from None
+
+
+def load_text_encoder(
+    model_id: str,
+    *,
+    revision: Optional[str] = None,
+    torch_dtype: torch.dtype = torch.float32,
+    subfolder: str = "text_encoder",
+    tokenizer_subfolder: str = "tokenizer",
+):
+    """(tokenizer, UMT5 text encoder) of the repo, found like the transformer."""
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    fetch_config(model_id, subfolder, revision=revision, required=True)
+    try:
+        text_encoder = UMT5EncoderModel.from_pretrained(
+            model_id, subfolder=subfolder, revision=revision, dtype=torch_dtype, use_safetensors=True
+        )
+    except (OSError, ValueError) as err:
+        raise explain_load_error(model_id, f"text encoder (subfolder '{subfolder}')", err, revision=revision) from None
+    try:
+        # Passing the encoder's config spares AutoTokenizer a lookup of `tokenizer/config.json`,
+        # a file diffusers-layout repos do not have, which fails offline from the cache.
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_id, subfolder=tokenizer_subfolder, revision=revision, config=text_encoder.config
+        )
+    except (OSError, ValueError) as err:
+        raise explain_load_error(model_id, f"tokenizer (subfolder '{tokenizer_subfolder}')", err, revision=revision) from None
+    return tokenizer, text_encoder

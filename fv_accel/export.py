@@ -1,0 +1,227 @@
+"""Export trained weights from a run's output folder or one of its checkpoints.
+
+    python -m fv_accel.export <checkpoint or output dir> --to diffusers|comfyui|merged [--out DIR] [--base MODEL]
+
+- `diffusers`: a LoRA run -> `pytorch_lora_weights.safetensors` (with adapter metadata) for
+  `WanPipeline.load_lora_weights(DIR)`; a full run -> `DIR/transformer/` for
+  `WanTransformer3DModel.from_pretrained(DIR, subfolder="transformer")`.
+- `comfyui`: a LoRA run -> `pytorch_lora_weights_comfyui.safetensors` (`diffusion_model.` keys).
+- `merged`: a LoRA run folded into its base -> `DIR/transformer/` (base from `--base`, else the
+  run's `base_model.json` or checkpoint config).
+
+Sources, in the order they are looked for: a LoRA file; a folder with
+`pytorch_lora_weights.safetensors` (a LoRA run's output or checkpoint); a folder with
+`transformer/` (a full run's output); an Accelerate checkpoint of a full run (`model.safetensors`
++ `metadata.json`); an output folder with `checkpoint-<step>/` folders (the latest is used).
+Everything is read and written with safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from fv_accel.models.lora import BASE_MODEL_FILE, COMFYUI_LORA_FILE, DIFFUSERS_LORA_FILE
+
+TARGETS = ("diffusers", "comfyui", "merged")
+# Wrappers' prefixes on parameter names in an Accelerate checkpoint (DDP, torch.compile).
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+class ExportError(ValueError):
+    pass
+
+
+@dataclass
+class ExportSource:
+    path: Path  # the folder (or file) the weights come from
+    kind: str  # "lora" or "full"
+    lora_file: Optional[Path] = None
+    transformer_dir: Optional[Path] = None
+    checkpoint_weights: Optional[Path] = None
+    base: dict[str, Any] = field(default_factory=dict)  # base_model.json fields, possibly empty
+
+
+def _base_from_folder(folder: Path) -> dict[str, Any]:
+    """The base-model description next to the weights: base_model.json, else a checkpoint's config."""
+    for candidate in (folder, folder.parent):
+        info = candidate / BASE_MODEL_FILE
+        if info.is_file():
+            return json.loads(info.read_text())
+        meta = candidate / "metadata.json"
+        if meta.is_file():
+            student = json.loads(meta.read_text()).get("config", {}).get("models", {}).get("student", {})
+            if student:
+                return {
+                    "init_from": student.get("init_from"),
+                    "revision": student.get("revision"),
+                    "subfolder": student.get("subfolder", "transformer"),
+                    "variant": student.get("variant"),
+                    "torch_dtype": student.get("torch_dtype", "float32"),
+                    "model_class": student.get("model_class", "auto"),
+                    "transformer_config": student.get("transformer_config"),
+                }
+    return {}
+
+
+def find_source(path: str | Path) -> ExportSource:
+    from fv_accel.checkpoint import list_checkpoints
+
+    path = Path(path)
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise ExportError(f"{path}: expected a .safetensors LoRA file or a folder")
+        return ExportSource(path=path, kind="lora", lora_file=path, base=_base_from_folder(path.parent))
+    if not path.is_dir():
+        raise ExportError(f"{path}: no such file or folder")
+    if (path / DIFFUSERS_LORA_FILE).is_file():
+        return ExportSource(path=path, kind="lora", lora_file=path / DIFFUSERS_LORA_FILE, base=_base_from_folder(path))
+    if (path / "transformer" / "config.json").is_file():
+        return ExportSource(path=path, kind="full", transformer_dir=path / "transformer", base=_base_from_folder(path))
+    if (path / "model.safetensors").is_file() and (path / "metadata.json").is_file():
+        return ExportSource(
+            path=path, kind="full", checkpoint_weights=path / "model.safetensors", base=_base_from_folder(path)
+        )
+    found = list_checkpoints(path)
+    if found:
+        return find_source(found[-1])
+    raise ExportError(
+        f"{path}: found no weights to export (looked for {DIFFUSERS_LORA_FILE}, transformer/, "
+        f"model.safetensors + metadata.json, checkpoint-<step>/)"
+    )
+
+
+def _student_config(base: dict[str, Any], override: Optional[str], dtype: Optional[str]):
+    from fv_accel.config import StudentConfig
+
+    fields = {k: v for k, v in base.items() if k in StudentConfig.__dataclass_fields__}
+    if override:
+        # A different base: only its id is known; the recipe's subfolder/revision no longer apply.
+        fields.update(init_from=override, revision=None, variant=None, model_class="auto", subfolder="transformer")
+    if dtype:
+        fields["torch_dtype"] = dtype
+    return StudentConfig(**fields)
+
+
+def _transformer_class(st) -> tuple[type, dict]:
+    """(class, config) of the base transformer without loading its weights."""
+    from fv_accel.models.loading import fetch_config
+    from fv_accel.models.wan import CLASS_NAME_TO_KIND, TRANSFORMER_CLASSES
+
+    if st.init_from is None:
+        if not st.transformer_config:
+            raise ExportError("the run's base is unknown: pass --base MODEL (Hub id or folder)")
+        kind = "wan" if st.model_class == "auto" else st.model_class
+        return TRANSFORMER_CLASSES[kind], dict(st.transformer_config)
+    config = fetch_config(st.init_from, st.subfolder or None, revision=st.revision)
+    kind = st.model_class if st.model_class != "auto" else CLASS_NAME_TO_KIND.get(config.get("_class_name"))
+    if kind is None:
+        raise ExportError(f"model '{st.init_from}': unsupported transformer class {config.get('_class_name')!r}")
+    return TRANSFORMER_CLASSES[kind], config
+
+
+def _save_transformer(transformer, out: Path) -> Path:
+    target = out / "transformer"
+    transformer.save_pretrained(target, safe_serialization=True)
+    return target
+
+
+def export_diffusers(src: ExportSource, out: Path) -> list[Path]:
+    from fv_accel.models.lora import read_lora_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    if src.kind == "lora":
+        _, metadata = read_lora_file(src.lora_file)  # validates layout and metadata
+        if metadata is None:
+            raise ExportError(f"{src.lora_file}: no adapter metadata (alpha unknown)")
+        target = out / DIFFUSERS_LORA_FILE
+        if target.resolve() != src.lora_file.resolve():
+            shutil.copyfile(src.lora_file, target)
+        return [target]
+    if src.transformer_dir is not None:
+        target = out / "transformer"
+        if target.resolve() != src.transformer_dir.resolve():
+            shutil.copytree(src.transformer_dir, target, dirs_exist_ok=True)
+        return [target]
+    # A full run's Accelerate checkpoint: rebuild the module from the config, load, save_pretrained.
+    from safetensors.torch import load_file
+
+    cls, config = _transformer_class(_student_config(src.base, None, None))
+    transformer = cls.from_config(config)
+    state = load_file(str(src.checkpoint_weights))
+    for prefix in WRAPPER_PREFIXES:
+        if all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+    transformer.load_state_dict(state, strict=True)
+    if len(dtypes) == 1:
+        transformer.to(dtypes.pop())
+    return [_save_transformer(transformer, out)]
+
+
+def export_comfyui(src: ExportSource, out: Path) -> list[Path]:
+    from fv_accel.models.lora import read_lora_file, save_comfyui_lora
+
+    if src.kind != "lora":
+        raise ExportError(
+            f"{src.path}: the ComfyUI export is for LoRA runs; a full fine-tune exports with --to diffusers"
+        )
+    state, metadata = read_lora_file(src.lora_file)
+    return [save_comfyui_lora(out / COMFYUI_LORA_FILE, state, metadata)]
+
+
+def export_merged(src: ExportSource, out: Path, *, base: Optional[str] = None, dtype: Optional[str] = None) -> list[Path]:
+    from fv_accel.models.lora import merge_lora, read_lora_file
+    from fv_accel.models.loading import load_transformer
+    from fv_accel.models.wan import CLASS_NAME_TO_KIND, TRANSFORMER_CLASSES
+
+    if src.kind != "lora":
+        raise ExportError(f"{src.path}: a full fine-tune is already a whole transformer; use --to diffusers")
+    st = _student_config(src.base, base, dtype)
+    if st.init_from is None:
+        raise ExportError(
+            f"{src.path}: the run's base was built from models.student.transformer_config (random "
+            "init, not saved); pass --base MODEL (Hub id or folder of the base it was trained on)"
+        )
+    transformer = load_transformer(st, TRANSFORMER_CLASSES, CLASS_NAME_TO_KIND)
+    state, metadata = read_lora_file(src.lora_file)
+    merge_lora(transformer, state, metadata)
+    return [_save_transformer(transformer, out)]
+
+
+def export(path: str | Path, to: str, out: Optional[str | Path] = None, *, base: Optional[str] = None, dtype: Optional[str] = None) -> list[Path]:
+    if to not in TARGETS:
+        raise ExportError(f"--to {to!r}: expected one of {', '.join(TARGETS)}")
+    src = find_source(path)
+    out_dir = Path(out) if out is not None else (src.path if src.path.is_dir() else src.path.parent) / f"export_{to}"
+    if to == "diffusers":
+        return export_diffusers(src, out_dir)
+    if to == "comfyui":
+        return export_comfyui(src, out_dir)
+    return export_merged(src, out_dir, base=base, dtype=dtype)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fv_accel.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="a run's output folder, one of its checkpoint-<step> folders, or a LoRA file")
+    parser.add_argument("--to", required=True, choices=TARGETS)
+    parser.add_argument("--out", default=None, help="output folder (default: <source>/export_<to>)")
+    parser.add_argument("--base", default=None, help="base model for --to merged (default: the run's own)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="dtype of a merged export")
+    args = parser.parse_args(argv)
+    from fv_accel.models.loading import ModelLoadError
+
+    try:
+        written = export(args.source, args.to, args.out, base=args.base, dtype=args.dtype)
+    except (ExportError, ModelLoadError, FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"export failed: {err}") from None
+    for path in written:
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
