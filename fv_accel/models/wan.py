@@ -67,6 +67,15 @@ class WanStudent(ModelBase):
             self.causal_attention = install_causal_attention(
                 self.transformer, spec, self.student_config.causal_attention_backend
             )
+        # LoRA (peft): base frozen, adapter trainable in fp32; PiSSA's initial adapter is kept to
+        # export against the original base (fv_accel/models/lora.py).
+        self.lora_enabled = bool(self.student_config.lora.enable and trainable)
+        self.pissa_init_adapter: Optional[dict] = None
+        if self.lora_enabled:
+            from fv_accel.models.lora import apply_lora
+
+            self.pissa_init_adapter = apply_lora(self.transformer, self.student_config.lora)
+        self.input_dtype = self.transformer.patch_embedding.weight.dtype
         if cfg.training.model.enable_gradient_checkpointing_type == "full":
             self.transformer.enable_gradient_checkpointing()
         self.latents_mean: Optional[torch.Tensor] = None
@@ -179,7 +188,8 @@ class WanStudent(ModelBase):
         if not conditional:
             text = torch.zeros_like(text)
         t, extra = self.timestep_input(timesteps, noisy_latents.shape)
-        dtype = next(self.transformer.parameters()).dtype
+        # The patch embedding's dtype, not the first parameter's: diffusers keeps some tables in fp32.
+        dtype = self.input_dtype
         out = self.transformer(
             hidden_states=noisy_latents.to(dtype),
             timestep=t,
@@ -188,6 +198,64 @@ class WanStudent(ModelBase):
             **extra,
         )[0]
         return out
+
+    # ---- LoRA state (checkpoints and final files) ----
+    def attach_accelerator(self, accelerator: Any) -> None:
+        super().attach_accelerator(accelerator)
+        if self.lora_enabled:
+            from fv_accel.models.lora import register_adapter_checkpointing
+
+            # Checkpoints of a LoRA run hold the adapter (+ Accelerate's optimizer/scheduler/RNG).
+            register_adapter_checkpointing(
+                accelerator,
+                lambda: self.transformer,
+                lambda: self.lora_files_state(accelerator),
+                self.load_lora_files_state,
+                kind=self.kind,
+            )
+
+    def lora_files_state(self, accelerator: Any = None) -> tuple[dict, dict]:
+        """The adapter as written to files (diffusers keys, fp32) and its metadata, against the
+        original base. Collective under FSDP/DeepSpeed (gathers the sharded state dict)."""
+        from accelerate.utils import DistributedType
+
+        from fv_accel.models.lora import adapter_metadata, adapter_state_dict, deployable_lora
+
+        full = None
+        module = self.transformer
+        if accelerator is not None:
+            if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+                full = accelerator.get_state_dict(self.transformer)
+            module = accelerator.unwrap_model(self.transformer)
+        state = adapter_state_dict(module, full_state_dict=full)
+        return deployable_lora(state, adapter_metadata(module), self.pissa_init_adapter)
+
+    def load_lora_files_state(self, state: dict, metadata: Optional[dict]) -> None:
+        """Restore the trained adapter from a file written by `lora_files_state` (resume)."""
+        from fv_accel.models.lora import set_adapter_state_dict, trained_part_of_deployable
+
+        module = self.accelerator.unwrap_model(self.transformer) if self.accelerator is not None else self.transformer
+        lora = self.student_config.lora
+        # Files of a PiSSA run hold the adapter converted to rank 2r (see deployable_lora).
+        expected_rank = 2 * lora.rank if lora.init == "pissa" else lora.rank
+        if metadata is None or int(metadata.get("r", -1)) != expected_rank:
+            raise ValueError(
+                f"the checkpoint's LoRA has rank {None if metadata is None else metadata.get('r')} but "
+                f"models.student.lora is rank {lora.rank}, init {lora.init} (expected {expected_rank} in the file)"
+            )
+        set_adapter_state_dict(module, trained_part_of_deployable(state, metadata, lora))
+
+    def base_model_info(self) -> dict:
+        st = self.student_config
+        return {
+            "init_from": st.init_from,
+            "revision": st.revision,
+            "subfolder": st.subfolder,
+            "variant": st.variant,
+            "torch_dtype": st.torch_dtype,
+            "model_class": self.kind,
+            "transformer_config": None if st.init_from is not None else st.transformer_config,
+        }
 
     def predict_noise_teacher_forcing(
         self,
@@ -217,7 +285,9 @@ class WanStudent(ModelBase):
 
     # ---- outputs ----
     def save_final(self, accelerator: Any, output_dir: Any) -> None:
-        """Write the trained transformer as a diffusers folder (`<output_dir>/transformer`).
+        """Write the trained weights: for a LoRA run `pytorch_lora_weights.safetensors` (diffusers,
+        with adapter metadata), the ComfyUI-format file and `base_model.json`; otherwise the
+        transformer as a diffusers folder (`<output_dir>/transformer`).
 
         `get_state_dict` gathers sharded parameters (FSDP2, ZeRO-3) on every rank; only the main
         process writes, safetensors only.
@@ -226,6 +296,14 @@ class WanStudent(ModelBase):
 
         from accelerate.utils import DistributedType
 
+        if self.lora_enabled:
+            from fv_accel.models.lora import save_lora_outputs
+
+            state, metadata = self.lora_files_state(accelerator)
+            if accelerator.is_main_process:
+                save_lora_outputs(output_dir, state, metadata, kind=self.kind, base=self.base_model_info())
+            accelerator.wait_for_everyone()
+            return
         out = Path(output_dir) / "transformer"
         sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         state_dict = accelerator.get_state_dict(self.transformer) if sharded else None
