@@ -21,6 +21,7 @@ class TextVideoEncoder:
         dtype: torch.dtype = torch.float32,
         revision: Optional[str] = None,
         text_max_length: int = TEXT_MAX_LENGTH,
+        vae_tiling: bool = False,
     ):
         from diffusers import AutoencoderKLWan
         from transformers import AutoTokenizer, UMT5EncoderModel
@@ -46,6 +47,9 @@ class TextVideoEncoder:
         self.text_encoder.to(self.device).eval().requires_grad_(False)
         if hasattr(self.vae, "enable_slicing") and self.device.type == "cuda":
             self.vae.enable_slicing()
+        # Tiles change the latents slightly (blended seams): only on request, for high resolutions.
+        if vae_tiling and hasattr(self.vae, "enable_tiling"):
+            self.vae.enable_tiling()
 
     @torch.no_grad()
     def encode_video(self, frames: np.ndarray) -> torch.Tensor:

@@ -46,6 +46,8 @@ class LatentDataset(Dataset):
         self.text_max_length = text_max_length
         self.cfg_rate = float(cfg_rate)
         self.seed = seed
+        # Index of this dataset's first row in a mix, so mixed datasets draw different dropouts.
+        self.global_offset = 0
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -70,7 +72,9 @@ class LatentDataset(Dataset):
         mask[:length] = 1
         if self.cfg_rate > 0:
             # CFG dropout keyed by (seed, epoch, index): reproducible and independent of the split.
-            g = torch.Generator().manual_seed(sample_generator_seed(self.seed + 7919, epoch, int(index)))
+            g = torch.Generator().manual_seed(
+                sample_generator_seed(self.seed + 7919, epoch, int(index) + self.global_offset)
+            )
             if torch.rand((), generator=g).item() < self.cfg_rate:
                 padded.zero_()
         return {
@@ -136,6 +140,8 @@ class BucketBatchSampler:
         self.group_size = batch_size * world_size * grad_accum
         self.position = LoaderPosition()
         self.dropped_per_epoch = 0
+        if self.weights is not None and len(self.weights) != len(self.bucket_keys):
+            raise ValueError(f"weights: {len(self.weights)} values for {len(self.bucket_keys)} samples")
         if not self.epoch_groups(0):
             largest = max(self._buckets().values(), key=len)
             raise ValueError(
@@ -154,11 +160,9 @@ class BucketBatchSampler:
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         groups: list[list[int]] = []
         dropped = 0
-        buckets = self._buckets()
+        buckets = self._buckets() if self.weights is None else self._weighted_buckets(g)
         for key in sorted(buckets):
             idx = buckets[key]
-            if self.weights is not None:
-                idx = self._weighted(idx, g)
             if self.shuffle:
                 idx = [idx[j] for j in torch.randperm(len(idx), generator=g).tolist()]
             full = len(idx) // self.group_size
@@ -169,11 +173,16 @@ class BucketBatchSampler:
         self.dropped_per_epoch = dropped
         return groups
 
-    def _weighted(self, idx: list[int], g: torch.Generator) -> list[int]:
-        """Multi-dataset mixing: resample each bucket by per-sample weights (with replacement)."""
-        w = torch.tensor([self.weights[i] for i in idx], dtype=torch.float64)
-        draws = torch.multinomial(w, num_samples=len(idx), replacement=True, generator=g)
-        return [idx[j] for j in draws.tolist()]
+    def _weighted_buckets(self, g: torch.Generator) -> dict[tuple, list[int]]:
+        """Multi-dataset mixing: an epoch is as many draws (with replacement) as there are samples,
+        each sample drawn with probability proportional to its weight, then bucketed. Drawing over
+        the whole dataset, not per bucket, keeps the datasets' shares right when they differ in shape."""
+        w = torch.tensor(self.weights, dtype=torch.float64)
+        draws = torch.multinomial(w, num_samples=len(self.bucket_keys), replacement=True, generator=g)
+        buckets: dict[tuple, list[int]] = defaultdict(list)
+        for i in draws.tolist():
+            buckets[self.bucket_keys[i]].append(i)
+        return buckets
 
     def steps_per_epoch(self) -> int:
         return len(self.epoch_groups(self.position.epoch))
@@ -221,6 +230,8 @@ class TrainLoader:
         self._consumed = LoaderPosition(sampler.position.epoch, sampler.position.step_in_epoch)
 
     def __iter__(self) -> Iterator[dict]:
+        # A new pass starts after the last finished step (prefetched batches are not "consumed").
+        self.sampler.position = LoaderPosition(self._consumed.epoch, self._consumed.step_in_epoch)
         loader = DataLoader(
             self.dataset,
             batch_sampler=self.sampler,
@@ -271,6 +282,7 @@ class ConcatLatentDataset(Dataset):
         self.parts = parts
         self.offsets = [0]
         for p in parts:
+            p.global_offset = self.offsets[-1]
             self.offsets.append(self.offsets[-1] + len(p))
         self.data_path = "+".join(p.data_path for p in parts)
 

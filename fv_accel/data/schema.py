@@ -100,8 +100,15 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    datasets.Dataset.from_list(rows).to_parquet(str(tmp))
+    tmp = path.with_name("." + path.name + ".tmp")
+    # No progress bar per shard (preprocessing writes one small file per clip).
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()
+    try:
+        datasets.Dataset.from_list(rows).to_parquet(str(tmp))
+    finally:
+        if not was_disabled:
+            datasets.utils.enable_progress_bars()
     tmp.replace(path)
     return path
 
@@ -141,7 +148,10 @@ def parquet_files(data_path: str | Path) -> list[str]:
     if p.is_file():
         return [str(p)]
     if p.is_dir():
-        files = sorted(str(f) for f in p.rglob("*.parquet") if not f.name.startswith("."))
+        # Hidden files and folders (temporary files, preprocessing's pending rows) are not data.
+        files = sorted(
+            str(f) for f in p.rglob("*.parquet") if not any(part.startswith(".") for part in f.relative_to(p).parts)
+        )
         if files:
             return files
         raise FileNotFoundError(f"training.data.data_path: no .parquet files under '{p}'")

@@ -1,8 +1,9 @@
 """The built-in tiny dataset: procedural clips of moving shapes with captions that describe them.
 
-Clips are rendered, encoded with the tiny VAE and text encoder of `fv_accel.tiny_model` (seeded),
-and written in FastVideo's Parquet schema, so the tiny default recipe trains on latents with
-learnable structure without the network.
+Clips are rendered, written as real mp4 files with a caption beside each, and encoded by the
+preprocessing pipeline with the tiny VAE and text encoder of `fv_accel.tiny_model` (seeded) into
+FastVideo's Parquet schema: the tiny default recipe exercises decoding, encoding and training end
+to end without the network.
 """
 
 from __future__ import annotations
@@ -96,18 +97,27 @@ def tiny_dataset_dir(data_cfg, cache_dir: Optional[str] = None) -> Path:
         "h": data_cfg.tiny_height,
         "w": data_cfg.tiny_width,
         "seed": data_cfg.seed,
-        "v": 1,
+        "v": 2,  # 2: mp4 files encoded by the preprocessing pipeline
     }
     key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir or data_cfg.tiny_cache_dir or default_cache_dir())
     return root / f"tiny-data-{key}"
 
 
+TINY_FPS = 8.0
+
+
 def ensure_tiny_dataset(data_cfg, cache_dir: Optional[str] = None) -> Path:
-    """Build the tiny dataset once (idempotent); returns the folder holding its Parquet file."""
+    """Build the tiny dataset once (idempotent); returns the folder holding its Parquet shards.
+
+    The clips are rendered, written as real mp4 files with a same-named .txt caption beside each
+    (`videos/`), then encoded by the preprocessing pipeline (the code behind `python -m
+    fv_accel.preprocess`) with the tiny model (`tiny-model/`) into `latents/`.
+    """
+    from fv_accel.data.schema import DATASET_INFO
+
     out = tiny_dataset_dir(data_cfg, cache_dir)
-    done = out / "latents" / "data.parquet"
-    if done.is_file():
+    if (out / "latents" / DATASET_INFO).is_file():  # written last: its presence means done
         return out / "latents"
     build_tiny_dataset(
         out,
@@ -120,34 +130,38 @@ def ensure_tiny_dataset(data_cfg, cache_dir: Optional[str] = None) -> Path:
     return out / "latents"
 
 
-@torch.no_grad()
+def write_tiny_videos(folder: Path, *, num_clips: int, num_frames: int, height: int, width: int, seed: int) -> list[Path]:
+    """Render the procedural clips into `folder` as mp4 files with their captions (skips existing ones)."""
+    from fv_accel.data.video import write_video
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for k, spec in enumerate(tiny_clip_specs(num_clips, seed=seed)):
+        video = folder / f"tiny-{k:04d}.mp4"
+        caption = video.with_suffix(".txt")
+        if not caption.is_file():
+            caption.write_text(spec.caption + "\n", encoding="utf-8")
+        if not video.is_file():
+            write_video(video, render_clip(spec, num_frames=num_frames, height=height, width=width), fps=TINY_FPS)
+        paths.append(video)
+    return paths
+
+
 def build_tiny_dataset(out: Path, *, num_clips: int, num_frames: int, height: int, width: int, seed: int) -> Path:
-    from fv_accel.data.encode import TextVideoEncoder
-    from fv_accel.data.schema import make_row, write_dataset_info, write_rows
+    """Videos, tiny model, then latents via the preprocessing pipeline; returns the latents folder."""
+    from fv_accel.data.video import FrameSampling
+    from fv_accel.preprocess import preprocess
     from fv_accel.tiny_model import write_tiny_model
 
     model_dir = out / "tiny-model"
     if not (model_dir / "model_index.json").is_file():
         write_tiny_model(model_dir, seed=0)
-    encoder = TextVideoEncoder(str(model_dir), device=torch.device("cpu"))
-    rows = []
-    for k, spec in enumerate(tiny_clip_specs(num_clips, seed=seed)):
-        frames = render_clip(spec, num_frames=num_frames, height=height, width=width)
-        latent = encoder.encode_video(frames)
-        text = encoder.encode_text(spec.caption)
-        rows.append(
-            make_row(
-                sample_id=f"tiny-{k:04d}",
-                latent=latent,
-                text_embedding=text,
-                caption=spec.caption,
-                file_name=f"tiny-{k:04d}.mp4",
-                width=width,
-                height=height,
-                num_frames=num_frames,
-                duration_sec=num_frames / 8.0,
-                fps=8.0,
-            )
-        )
-    write_dataset_info(out / "latents", model=str(model_dir), vae_config=encoder.vae.config)
-    return write_rows(rows, out / "latents" / "data.parquet")
+    write_tiny_videos(out / "videos", num_clips=num_clips, num_frames=num_frames, height=height, width=width, seed=seed)
+    sampling = FrameSampling(num_frames=(num_frames,), buckets=((height, width),), seed=seed)
+    # CPU and fp32 whatever the machine, so the cached dataset is the same everywhere.
+    result = preprocess(
+        str(model_dir), str(out / "videos"), out / "latents", sampling, device=torch.device("cpu"), dtype=torch.float32
+    )
+    if result.encoded != num_clips:
+        raise RuntimeError(f"tiny dataset: {result.summary} in {out / 'latents'}; expected all {num_clips} clips")
+    return out / "latents"

@@ -1,0 +1,670 @@
+"""Preprocess real clips into the precomputed-latent dataset the trainer reads.
+
+    python -m fv_accel.preprocess --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --input clips/ --output data/latents
+    accelerate launch -m fv_accel.preprocess --model ... --input ... --output ...   # clips sharded over processes
+
+Input: a folder of videos/images with a same-named .txt caption beside each; a CSV or JSONL
+metadata file (or a folder holding metadata.csv / metadata.jsonl) with a `video`/`file_name` column
+and a `caption`/`prompt` column; or a Hugging Face dataset (a `save_to_disk` folder, a folder of
+data files, or a Hub id in the local cache) with a video column and a caption column.
+
+Output: FastVideo-schema Parquet shards `data-SSSSS-of-NNNNN.parquet` (clip i goes to shard
+i // shard_size, in input order), `fv_dataset.json` (model and VAE latent statistics) and
+`skipped.jsonl` (every clip left out, with its path and reason).
+
+Nothing is lost to an interruption but the clip in flight: each encoded clip is written at once
+(atomically) to `.fv_pending/<key>.parquet`, where the key hashes the clip's bytes, its caption and
+the settings; a shard is assembled when its clips are done. A rerun reuses every row whose key it
+finds and encodes only the rest, so it ends with the same dataset as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from fv_accel.data.schema import DATASET_INFO, make_row, write_dataset_info, write_rows
+from fv_accel.data.video import (
+    IMAGE_EXTENSIONS,
+    MEDIA_EXTENSIONS,
+    ClipError,
+    FrameSampling,
+    content_hash,
+    is_image,
+    parse_buckets,
+    read_clip,
+)
+
+logger = logging.getLogger(__name__)
+
+PENDING_DIR = ".fv_pending"
+SKIPPED_FILE = "skipped.jsonl"
+SHARD_RE = re.compile(r"^data-(\d{5})-of-(\d{5})\.parquet$")
+VIDEO_COLUMNS = ("video", "file_name", "video_path", "path", "image")
+CAPTION_COLUMNS = ("caption", "prompt", "text")
+# Files that may sit beside clips without being clips (not reported as unsupported).
+SIDE_FILE_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".csv", ".yaml", ".yml")
+METADATA_NAMES = ("metadata.csv", "metadata.jsonl")
+SETTINGS_VERSION = 1
+
+
+class InputError(ValueError):
+    """The input as a whole cannot be used (no clips, wrong columns); the message says what was expected."""
+
+
+EXPECTED_INPUT = (
+    "expected a folder of videos/images with a same-named .txt caption beside each, a CSV or JSONL "
+    f"metadata file with a video column ({'/'.join(VIDEO_COLUMNS[:2])}) and a caption column "
+    f"({'/'.join(CAPTION_COLUMNS[:2])}), or a Hugging Face dataset (folder or id)"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Input listing
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClipSource:
+    """One input clip: where its bytes are, its caption, or the problem found while listing it."""
+
+    index: int
+    name: str  # relative path (or "row N" for bytes without a name): the row's id and file_name
+    path: Optional[Path] = None
+    fetch: Optional[Callable[[], bytes]] = None  # bytes held by a Hugging Face dataset
+    caption: Optional[str] = None
+    problem: Optional[tuple[str, str]] = None  # (reason, detail)
+
+    def payload(self) -> Union[Path, bytes]:
+        return self.path if self.path is not None else self.fetch()
+
+
+def _caption_problem(caption: Any) -> Optional[tuple[str, str]]:
+    if caption is None:
+        return ("missing_caption", "no caption")
+    if not isinstance(caption, str):
+        return ("missing_caption", f"the caption is a {type(caption).__name__}, not text")
+    if not caption.strip():
+        return ("empty_caption", "the caption is empty")
+    return None
+
+
+def _extension_problem(name: str) -> Optional[tuple[str, str]]:
+    ext = Path(name).suffix.lower()
+    if ext not in MEDIA_EXTENSIONS:
+        return ("unsupported_extension", f"extension '{ext or '(none)'}' is not one of {' '.join(MEDIA_EXTENSIONS)}")
+    return None
+
+
+def _visible_files(root: Path) -> list[Path]:
+    return sorted(
+        p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
+
+
+def list_folder(root: Path) -> list[ClipSource]:
+    files = _visible_files(root)
+    clips: list[ClipSource] = []
+    unsupported = []
+    for f in files:
+        ext = f.suffix.lower()
+        if ext in SIDE_FILE_EXTENSIONS:
+            continue
+        rel = f.relative_to(root).as_posix()
+        if ext not in MEDIA_EXTENSIONS:
+            unsupported.append(ext or "(none)")
+            clips.append(ClipSource(len(clips), rel, path=f, problem=_extension_problem(rel)))
+            continue
+        caption_file = f.with_suffix(".txt")
+        caption = caption_file.read_text(encoding="utf-8", errors="replace").strip() if caption_file.is_file() else None
+        problem = _caption_problem(caption)
+        if problem and problem[0] == "missing_caption":
+            problem = ("missing_caption", f"no caption file {caption_file.name} beside the clip")
+        clips.append(ClipSource(len(clips), rel, path=f, caption=caption, problem=problem))
+    if not any(c.problem is None or c.problem[0] != "unsupported_extension" for c in clips):
+        found = f"; found only files with unsupported extensions ({', '.join(sorted(set(unsupported)))})" if unsupported else ""
+        raise InputError(f"{root}: no video or image files ({' '.join(MEDIA_EXTENSIONS)}){found}; {EXPECTED_INPUT}")
+    return clips
+
+
+def _pick_column(columns: Sequence[str], wanted: Optional[str], candidates: Sequence[str], what: str, where: str) -> str:
+    if wanted:
+        if wanted not in columns:
+            raise InputError(f"{where}: no column '{wanted}' ({what}); columns found: {', '.join(columns) or '(none)'}")
+        return wanted
+    for name in candidates:
+        if name in columns:
+            return name
+    raise InputError(
+        f"{where}: no {what} column: expected one of {', '.join(repr(c) for c in candidates)}, "
+        f"found columns {', '.join(repr(c) for c in columns) or '(none)'}"
+    )
+
+
+def _read_metadata(path: Path) -> tuple[list[str], list[dict]]:
+    if path.suffix.lower() == ".csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            return list(reader.fieldnames or []), rows
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise InputError(f"{path} line {n}: not valid JSON ({err.msg}); expected one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise InputError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    return columns, rows
+
+
+def list_metadata(path: Path, video_column: Optional[str], caption_column: Optional[str]) -> list[ClipSource]:
+    columns, rows = _read_metadata(path)
+    vcol = _pick_column(columns, video_column, VIDEO_COLUMNS, "video", str(path))
+    ccol = _pick_column(columns, caption_column, CAPTION_COLUMNS, "caption", str(path))
+    if not rows:
+        raise InputError(f"{path}: no rows; {EXPECTED_INPUT}")
+    base = path.parent
+    clips = []
+    for i, row in enumerate(rows):
+        ref = row.get(vcol)
+        if not isinstance(ref, str) or not ref.strip():
+            clips.append(ClipSource(i, f"row {i}", problem=("missing_file", f"row {i}: no path in column '{vcol}'")))
+            continue
+        file = Path(ref) if Path(ref).is_absolute() else base / ref
+        name = ref
+        problem = _extension_problem(ref) or _caption_problem(row.get(ccol))
+        if problem is None and not file.is_file():
+            problem = ("missing_file", f"no such file: {file}")
+        clips.append(ClipSource(i, name, path=file, caption=row.get(ccol), problem=problem))
+    return clips
+
+
+def _load_hf_dataset(spec: str, split: str):
+    import datasets
+
+    p = Path(spec)
+    try:
+        if p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()):
+            ds = datasets.load_from_disk(str(p))
+        else:
+            ds = datasets.load_dataset(str(p) if p.is_dir() else spec, split=split)
+    except (FileNotFoundError, ValueError, ConnectionError) as err:
+        raise InputError(
+            f"'{spec}': could not load it as a Hugging Face dataset ({err.__class__.__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); {EXPECTED_INPUT}"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise InputError(f"'{spec}': no split '{split}' (splits: {', '.join(ds)}); pass --split")
+        ds = ds[split]
+    return ds
+
+
+def list_hf_dataset(spec: str, video_column: Optional[str], caption_column: Optional[str], split: str) -> list[ClipSource]:
+    import datasets
+
+    ds = _load_hf_dataset(spec, split)
+    vcol = _pick_column(ds.column_names, video_column, VIDEO_COLUMNS, "video", spec)
+    ccol = _pick_column(ds.column_names, caption_column, CAPTION_COLUMNS, "caption", spec)
+    feature = ds.features[vcol]
+    # Undecoded: {"bytes", "path"} (decoding would need torchcodec; PyAV decodes here).
+    if isinstance(feature, datasets.Video):
+        ds = ds.cast_column(vcol, datasets.Video(decode=False))
+    elif isinstance(feature, datasets.Image):
+        ds = ds.cast_column(vcol, datasets.Image(decode=False))
+    if len(ds) == 0:
+        raise InputError(f"'{spec}': the dataset has no rows; {EXPECTED_INPUT}")
+    base = Path(spec) if Path(spec).is_dir() else None
+    captions = ds[ccol]
+    refs = ds.select_columns([vcol])
+    clips = []
+    for i in range(len(ds)):
+        value = refs[i][vcol]
+        if isinstance(value, dict):
+            ref, has_bytes = value.get("path"), value.get("bytes") is not None
+        else:
+            ref, has_bytes = value, False
+        name = ref if isinstance(ref, str) and ref else f"row {i}"
+        path = None
+        fetch = None
+        problem = None
+        if has_bytes:
+            fetch = (lambda j=i: refs[j][vcol]["bytes"])
+            if not isinstance(ref, str) or not ref:
+                name = f"row {i}" + (".png" if isinstance(feature, datasets.Image) else ".mp4")
+        elif isinstance(ref, str) and ref:
+            path = Path(ref) if Path(ref).is_absolute() or base is None else base / ref
+            if not path.is_file():
+                problem = ("missing_file", f"no such file: {path}")
+        else:
+            problem = ("missing_file", f"row {i}: no file or bytes in column '{vcol}'")
+        problem = problem or _extension_problem(name) or _caption_problem(captions[i])
+        clips.append(ClipSource(i, name, path=path, fetch=fetch, caption=captions[i], problem=problem))
+    return clips
+
+
+def list_inputs(
+    spec: str, *, video_column: Optional[str] = None, caption_column: Optional[str] = None, split: str = "train"
+) -> tuple[list[ClipSource], str]:
+    """The clips of an input, in a fixed order, and which form the input was read as."""
+    p = Path(spec)
+    if p.is_file():
+        if p.suffix.lower() in (".csv", ".jsonl", ".json"):
+            return list_metadata(p, video_column, caption_column), "metadata file"
+        raise InputError(f"{p}: a file with extension '{p.suffix}' cannot be an input; {EXPECTED_INPUT}")
+    if p.is_dir():
+        for name in METADATA_NAMES:
+            if (p / name).is_file():
+                return list_metadata(p / name, video_column, caption_column), f"metadata file {name}"
+        if (p / "state.json").is_file() or (p / "dataset_dict.json").is_file():
+            return list_hf_dataset(spec, video_column, caption_column, split), "Hugging Face dataset (save_to_disk)"
+        files = _visible_files(p)
+        if not any(f.suffix.lower() in MEDIA_EXTENSIONS for f in files) and any(
+            f.suffix.lower() in (".parquet", ".arrow") for f in files
+        ):
+            return list_hf_dataset(spec, video_column, caption_column, split), "Hugging Face dataset (data files)"
+        return list_folder(p), "folder of clips"
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
+        return list_hf_dataset(spec, video_column, caption_column, split), "Hugging Face dataset (Hub id)"
+    raise InputError(f"'{spec}' does not exist; {EXPECTED_INPUT}")
+
+
+# --------------------------------------------------------------------------------------------
+# The pipeline
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PreprocessResult:
+    encoded: int  # rows in the dataset
+    skipped: int
+    newly_encoded: int  # clips encoded by this run (all processes)
+    reused: int  # rows found from earlier runs
+    seconds: float
+    output: Path
+    input_form: str = ""
+    num_processes: int = 1
+
+    @property
+    def summary(self) -> str:
+        return f"encoded {self.encoded}, skipped {self.skipped} (see {SKIPPED_FILE})"
+
+
+@dataclass
+class _Stats:
+    newly_encoded: int = 0
+    reused: int = 0
+    encode_seconds: float = 0.0
+    skipped: list = field(default_factory=list)
+
+
+def settings_fingerprint(model: str, revision: Optional[str], sampling: FrameSampling, dtype: torch.dtype, text_max_length: int) -> str:
+    return json.dumps(
+        {
+            "v": SETTINGS_VERSION,
+            "model": model,
+            "revision": revision,
+            "sampling": sampling.to_dict(),
+            "dtype": str(dtype).replace("torch.", ""),
+            "text_max_length": text_max_length,
+        },
+        sort_keys=True,
+    )
+
+
+def clip_key(content: str, caption: str, fingerprint: str) -> str:
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for part in (content, caption.strip(), fingerprint):
+        h.update(part.encode("utf-8"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+class _RowStore:
+    """Rows already encoded (finished shards and pending rows), found by key."""
+
+    def __init__(self, output: Path):
+        import pyarrow.parquet as pq
+
+        self.where: dict[str, tuple[Path, int]] = {}
+        self._cache: tuple[Optional[Path], Any] = (None, None)
+        files = sorted(f for f in output.glob("data-*-of-*.parquet") if SHARD_RE.match(f.name))
+        files += sorted((output / PENDING_DIR).glob("*.parquet"))
+        for f in files:
+            try:
+                keys = pq.read_table(f, columns=["fv_key"]).column("fv_key").to_pylist()
+            except Exception:  # noqa: BLE001 - not one of ours (ours are written atomically): ignore it
+                continue
+            for i, key in enumerate(keys):
+                self.where.setdefault(key, (f, i))
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def get(self, key: str) -> Optional[dict]:
+        """The row, or None when its file has gone (another process rewrote it): then re-encode."""
+        import pyarrow.parquet as pq
+
+        f, i = self.where[key]
+        try:
+            if self._cache[0] != f:
+                self._cache = (f, pq.read_table(f))
+            table = self._cache[1]
+            row = table.slice(i, 1).to_pylist()[0]
+        except Exception:  # noqa: BLE001
+            return None
+        return row if row.get("fv_key") == key else None
+
+
+def _shard_keys(path: Path) -> Optional[list]:
+    import pyarrow.parquet as pq
+
+    try:
+        t = pq.read_table(path, columns=["fv_key", "id", "file_name"])
+    except Exception:  # noqa: BLE001
+        return None
+    return list(zip(*(t.column(c).to_pylist() for c in ("fv_key", "id", "file_name"))))
+
+
+def preprocess(
+    model: str,
+    input: str,
+    output: Union[str, Path],
+    sampling: FrameSampling,
+    *,
+    revision: Optional[str] = None,
+    video_column: Optional[str] = None,
+    caption_column: Optional[str] = None,
+    split: str = "train",
+    shard_size: int = 32,
+    device: Optional[torch.device] = None,
+    dtype: Optional[torch.dtype] = None,
+    vae_tiling: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Optional[Callable[[], None]] = None,
+    on_clip_done: Optional[Callable[[ClipSource, str], None]] = None,
+    encoder: Any = None,
+) -> PreprocessResult:
+    """Encode the clips of `input` into `output` (this process's share of them when world_size > 1).
+
+    Every process must call it with the same arguments; `barrier` synchronises them before the
+    main process (rank 0) writes skipped.jsonl and fv_dataset.json. `on_clip_done(clip, status)`
+    is called after each clip ("encoded", "reused" or "skipped").
+    """
+    from fv_accel.data.encode import TEXT_MAX_LENGTH
+
+    t0 = time.perf_counter()
+    if shard_size < 1:
+        raise ValueError(f"shard_size: expected an integer >= 1, got {shard_size}")
+    output = Path(output)
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    clips, form = list_inputs(input, video_column=video_column, caption_column=caption_column, split=split)
+    num_shards = max(1, math.ceil(len(clips) / shard_size))
+    fingerprint = settings_fingerprint(model, revision, sampling, dtype, TEXT_MAX_LENGTH)
+    pending = output / PENDING_DIR
+    pending.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        # Written again at the end: until then the folder is a dataset in the making.
+        (output / DATASET_INFO).unlink(missing_ok=True)
+    store = _RowStore(output)
+    stats = _Stats()
+    if rank == 0:
+        logger.info("preprocessing %d clip(s) from %s (%s) on %d process(es)", len(clips), input, form, world_size)
+
+    def get_encoder():
+        nonlocal encoder
+        if encoder is None:
+            from fv_accel.data.encode import TextVideoEncoder
+
+            encoder = TextVideoEncoder(model, device=device, dtype=dtype, revision=revision, vae_tiling=vae_tiling)
+        return encoder
+
+    def encode(clip: ClipSource, payload: Union[Path, bytes], content: str, key: str) -> dict:
+        got = read_clip(payload, clip.name, sampling, content)
+        enc = get_encoder()
+        t = time.perf_counter()
+        latent = enc.encode_video(got.frames)
+        text = enc.encode_text(clip.caption.strip())
+        stats.encode_seconds += time.perf_counter() - t
+        n, h, w = got.frames.shape[:3]
+        image = is_image(clip.name)
+        return make_row(
+            sample_id=clip.name,
+            latent=latent,
+            text_embedding=text,
+            caption=clip.caption.strip(),
+            file_name=clip.name,
+            media_type="image" if image else "video",
+            width=w,
+            height=h,
+            num_frames=n,
+            duration_sec=0.0 if image or not got.fps else n / got.fps,
+            fps=got.fps,
+            fv_key=key,
+        )
+
+    my_shards = [s for s in range(num_shards) if s % world_size == rank]
+    for s in my_shards:
+        rows: list[dict] = []
+        new_keys: list[str] = []
+        for clip in clips[s * shard_size : (s + 1) * shard_size]:
+            status = "skipped"
+            if clip.problem is not None:
+                stats.skipped.append((clip.index, clip.name, *clip.problem))
+            else:
+                try:
+                    payload = clip.payload()
+                    content = content_hash(payload)
+                except OSError as err:
+                    stats.skipped.append((clip.index, clip.name, "unreadable", f"cannot read the file ({err})"))
+                    content = None
+                if content is not None:
+                    key = clip_key(content, clip.caption, fingerprint)
+                    row = store.get(key) if key in store else None
+                    if row is not None:
+                        stats.reused += 1
+                        status = "reused"
+                    else:
+                        try:
+                            row = encode(clip, payload, content, key)
+                        except ClipError as err:
+                            stats.skipped.append((clip.index, clip.name, err.reason, err.detail))
+                        else:
+                            # Written at once, so an interruption loses at most the clip in flight.
+                            write_rows([row], pending / f"{key}.parquet")
+                            store.where[key] = (pending / f"{key}.parquet", 0)  # the same bytes again
+                            new_keys.append(key)
+                            stats.newly_encoded += 1
+                            status = "encoded"
+                    if row is not None:
+                        # The same bytes may sit under another name: the row takes this clip's name.
+                        rows.append({**row, "id": clip.name, "file_name": clip.name})
+            if on_clip_done is not None:
+                on_clip_done(clip, status)
+        shard = output / f"data-{s:05d}-of-{num_shards:05d}.parquet"
+        wanted = [(r["fv_key"], r["id"], r["file_name"]) for r in rows]
+        if rows and (not shard.is_file() or _shard_keys(shard) != wanted):
+            write_rows(rows, shard)
+        elif not rows and shard.is_file():
+            shard.unlink()
+        for key in new_keys:
+            (pending / f"{key}.parquet").unlink(missing_ok=True)
+
+    (pending / f"stats-r{rank}.json").write_text(
+        json.dumps({"newly_encoded": stats.newly_encoded, "reused": stats.reused, "encode_seconds": stats.encode_seconds, "skipped": stats.skipped})
+    )
+    if world_size > 1 and barrier is not None:
+        barrier()
+    result = PreprocessResult(0, 0, 0, 0, 0.0, output, form, world_size)
+    if rank == 0:
+        vae_config = encoder.vae.config if encoder is not None else None
+        result = _finish(output, model, revision, sampling, num_shards, world_size, form, vae_config)
+        result.seconds = time.perf_counter() - t0
+    if world_size > 1 and barrier is not None:
+        barrier()
+    return result
+
+
+def _finish(
+    output: Path,
+    model: str,
+    revision: Optional[str],
+    sampling: FrameSampling,
+    num_shards: int,
+    world_size: int,
+    form: str,
+    vae_config: Any = None,
+) -> PreprocessResult:
+    """Main process, after every process is done: skipped.jsonl, stale files, fv_dataset.json."""
+    import pyarrow.parquet as pq
+    from diffusers import AutoencoderKLWan
+
+    pending = output / PENDING_DIR
+    skipped: list = []
+    newly = reused = 0
+    for r in range(world_size):  # (files of an interrupted run with more processes are not read)
+        st = json.loads((pending / f"stats-r{r}.json").read_text())
+        skipped += st["skipped"]
+        newly += st["newly_encoded"]
+        reused += st["reused"]
+    skipped.sort(key=lambda r: r[0])
+    for _, name, reason, detail in skipped:
+        logger.warning("skipped %s: %s (%s)", name, reason, detail)
+    tmp = output / (SKIPPED_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for _, name, reason, detail in skipped:
+            f.write(json.dumps({"path": name, "reason": reason, "detail": detail}) + "\n")
+    tmp.replace(output / SKIPPED_FILE)
+    # Shards of an earlier run with another shard count (or now empty) are not part of this dataset.
+    encoded = 0
+    for f in sorted(output.glob("data-*-of-*.parquet")):
+        m = SHARD_RE.match(f.name)
+        if m and int(m.group(2)) == num_shards:
+            encoded += pq.read_metadata(f).num_rows
+        elif m:
+            f.unlink()
+    for f in pending.iterdir():
+        f.unlink()
+    pending.rmdir()
+    if vae_config is None:  # nothing was encoded by this process: read the statistics, load nothing
+        vae_config = AutoencoderKLWan.load_config(model, subfolder="vae", revision=revision)
+    write_dataset_info(output, model=model, vae_config=vae_config, preprocessing=sampling.to_dict(), num_rows=encoded)
+    return PreprocessResult(encoded, len(skipped), newly, reused, 0.0, output, form, world_size)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fv_accel.preprocess",
+        description="Encode clips and captions into FastVideo-schema Parquet latents (run under "
+        "`accelerate launch` to shard the clips over processes).",
+    )
+    p.add_argument("--model", required=True, help="Hub id or local folder with vae/, text_encoder/, tokenizer/")
+    p.add_argument("--input", required=True, help="folder of clips + .txt captions, CSV/JSONL metadata, or HF dataset folder/id")
+    p.add_argument("--output", required=True, help="output folder (rerun into the same folder to resume)")
+    p.add_argument("--num_frames", default="81", help="frames per clip, 4k+1; a list (33,81) takes the longest a clip can fill")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--frame_stride", type=int, default=1, help="take every N-th source frame (default 1)")
+    g.add_argument("--target_fps", type=float, default=None, help="sample frames at this rate instead of a stride")
+    p.add_argument("--start", choices=["head", "uniform"], default="head", help="where the frames start in a longer clip")
+    p.add_argument("--buckets", default="480x832", help="HEIGHTxWIDTH[,...]: each clip is resized and centre-cropped to the nearest")
+    p.add_argument("--seed", type=int, default=0, help="seed of the uniform start")
+    p.add_argument("--video_column", default=None)
+    p.add_argument("--caption_column", default=None)
+    p.add_argument("--split", default="train", help="split of a Hugging Face dataset")
+    p.add_argument("--revision", default=None)
+    p.add_argument("--shard_size", type=int, default=32, help="clips per Parquet shard")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--vae_tiling", action="store_true", help="encode in spatial tiles (less memory at high resolution)")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from datetime import timedelta
+
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    from fv_accel.models.loading import ModelLoadError
+
+    args = build_parser().parse_args(argv)
+    try:
+        sampling = FrameSampling(
+            num_frames=tuple(int(v) for v in str(args.num_frames).split(",") if v.strip()),
+            frame_stride=args.frame_stride,
+            target_fps=args.target_fps,
+            start=args.start,
+            buckets=parse_buckets(args.buckets),
+            seed=args.seed,
+        )
+    except ValueError as err:
+        print(f"error: --{err}", file=sys.stderr)
+        return 2
+    # Processes finish their shards at different times: allow a long wait at the final barrier.
+    # (The CPU flag is read as Accelerator reads it: `accelerate launch --cpu` / ACCELERATE_USE_CPU.)
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), timeout=timedelta(hours=12))
+    logging.basicConfig(level=logging.INFO if state.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    try:
+        result = preprocess(
+            args.model,
+            args.input,
+            args.output,
+            sampling,
+            revision=args.revision,
+            video_column=args.video_column,
+            caption_column=args.caption_column,
+            split=args.split,
+            shard_size=args.shard_size,
+            device=state.device,
+            dtype=dtype,
+            vae_tiling=args.vae_tiling,
+            rank=state.process_index,
+            world_size=state.num_processes,
+            barrier=state.wait_for_everyone,
+        )
+    except (InputError, ModelLoadError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if state.is_main_process:
+        rate = result.newly_encoded / result.seconds if result.seconds > 0 else 0.0
+        print(
+            f"{result.input_form}: {result.newly_encoded} clip(s) encoded now, {result.reused} reused from "
+            f"earlier runs, on {result.num_processes} process(es) in {result.seconds:.1f}s ({rate:.2f} clips/s)"
+        )
+        print(result.summary)
+        if result.encoded == 0:
+            print(f"error: no clip could be encoded; see {Path(args.output) / SKIPPED_FILE}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
