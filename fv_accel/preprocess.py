@@ -418,6 +418,8 @@ def preprocess(
     t0 = time.perf_counter()
     if shard_size < 1:
         raise ValueError(f"shard_size: expected an integer >= 1, got {shard_size}")
+    if world_size > 1 and barrier is None:
+        raise ValueError("preprocess: several processes need a barrier (e.g. PartialState().wait_for_everyone)")
     output = Path(output)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -516,14 +518,14 @@ def preprocess(
     (pending / f"stats-r{rank}.json").write_text(
         json.dumps({"newly_encoded": stats.newly_encoded, "reused": stats.reused, "encode_seconds": stats.encode_seconds, "skipped": stats.skipped})
     )
-    if world_size > 1 and barrier is not None:
+    if world_size > 1:
         barrier()
     result = PreprocessResult(0, 0, 0, 0, 0.0, output, form, world_size)
     if rank == 0:
         vae_config = encoder.vae.config if encoder is not None else None
         result = _finish(output, model, revision, sampling, num_shards, world_size, form, vae_config)
         result.seconds = time.perf_counter() - t0
-    if world_size > 1 and barrier is not None:
+    if world_size > 1:
         barrier()
     return result
 

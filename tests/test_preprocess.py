@@ -48,6 +48,43 @@ def _rows(out: Path) -> list[dict]:
     return rows
 
 
+def test_frame_sampling_stride_fps_start_and_buckets(tmp_path):
+    from fv_accel.data.video import ClipError, content_hash, nearest_bucket, read_clip, sample_indices
+
+    s = FrameSampling(num_frames=(5, 9), frame_stride=2)
+    assert sample_indices(20, 16.0, s, 0, False) == ([0, 2, 4, 6, 8, 10, 12, 14, 16], 8.0, 0)
+    assert sample_indices(12, 16.0, s, 0, False)[0] == [0, 2, 4, 6, 8]  # 9 frames need 17: takes 5
+    fps = FrameSampling(num_frames=(5,), target_fps=10.0)
+    assert sample_indices(30, 25.0, fps, 0, False) == ([0, 2, 5, 7, 10], 10.0, 0)
+    uni = FrameSampling(num_frames=(5,), start="uniform", seed=1)
+    starts = {sample_indices(100, 16.0, uni, c, False)[2] for c in range(20)}
+    assert len(starts) > 10 and max(starts) <= 95
+    assert sample_indices(100, 16.0, uni, 7, False) == sample_indices(100, 16.0, uni, 7, False)
+    with pytest.raises(ClipError, match="4 frame.*5 frames with stride 2 need 9 source frames") as err:
+        sample_indices(4, 16.0, FrameSampling(num_frames=(5,), frame_stride=2), 0, False)
+    assert err.value.reason == "too_short"
+    assert sample_indices(1, 0.0, s, 0, True) == ([0], 0.0, 0)
+
+    buckets = ((480, 832), (832, 480), (512, 512))
+    assert nearest_bucket(720, 1280, buckets) == (480, 832)
+    assert nearest_bucket(1920, 1080, buckets) == (832, 480)
+    assert nearest_bucket(600, 640, buckets) == (512, 512)
+    with pytest.raises(ValueError, match="4k\\+1"):
+        FrameSampling(num_frames=(8,))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        FrameSampling(buckets=((480, 830),))
+
+    # A 32x64 clip (aspect 2) goes to the 32x48 bucket (aspect 1.5): the scale that covers it,
+    # max(32/32, 48/64) = 1, keeps it 32x64, and the middle 48 columns are kept.
+    frames = _clip(0, 9, 32, 64)
+    path = write_video(tmp_path / "wide.mp4", frames)
+    got = read_clip(path, "wide.mp4", FrameSampling(num_frames=(9,), buckets=((32, 32), (32, 48))), content_hash(path))
+    assert got.frames.shape == (9, 32, 48, 3) and got.source_size == (32, 64)
+    centre = frames[:, :, 8:56].astype(np.float32)
+    assert np.abs(got.frames.astype(np.float32) - centre).mean() < 6  # the middle, up to the codec
+    assert np.abs(got.frames.astype(np.float32) - frames[:, :, :48]).mean() > np.abs(got.frames.astype(np.float32) - centre).mean()
+
+
 @pytest.fixture(scope="module")
 def encoder(tiny_model_dir):
     from fv_accel.data.encode import TextVideoEncoder
