@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from fv_accel.config import RunConfig, load_config
+from fv_accel.config import ConfigError, RunConfig, load_config
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ class BuiltRun:
     accelerator: Any
     config: RunConfig
     callbacks: list
+    # The resumed trainer's counters (skipped steps), from the checkpoint's metadata.json.
+    trainer_state: dict = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[Any]:
         # `method, dataloader, start_step = build_from_config(...)`
@@ -95,6 +97,32 @@ def _latent_stats_from_dataset(cfg: RunConfig, data_path: str) -> None:
         st.latents_mean, st.latents_std = list(info["latents_mean"]), list(info["latents_std"])
 
 
+def _latent_shapes(dataset: Any) -> list[tuple[str, int, tuple[int, ...]]]:
+    """(data path, row, latent shape [C, T, H, W]) of every row, across mixed datasets."""
+    parts = getattr(dataset, "parts", None) or [dataset]
+    return [(p.data_path, i, shape) for p in parts for i, shape in enumerate(p.latent_shapes)]
+
+
+def check_data_fits_model(dataset: Any, student: Any, method: Any) -> None:
+    """Latent channels must match the transformer, and a DFSFT chunk must fit in the clip: caught
+    here rather than at the first step, after outputs have been started."""
+    expected = getattr(student, "in_channels", None)
+    chunk = method.math_signature().get("method.chunk_size")
+    for path, row, shape in _latent_shapes(dataset):
+        if len(shape) != 4:
+            raise ConfigError(f"{path} row {row}: vae_latent_shape {list(shape)}; expected [C, T, H, W]")
+        if expected is not None and shape[0] != expected:
+            raise ConfigError(
+                f"{path} row {row}: latents have {shape[0]} channels (shape {list(shape)}) but the student "
+                f"transformer expects {expected} (in_channels); encode the data with the model's own VAE"
+            )
+        if chunk is not None and chunk > shape[1]:
+            raise ConfigError(
+                f"method.chunk_size ({chunk}) is larger than the latent frame count ({shape[1]}) of "
+                f"{path} row {row} (shape {list(shape)}); use a chunk size <= {shape[1]} or longer clips"
+            )
+
+
 def build_from_config(
     path_or_dict: Union[str, os.PathLike, dict, RunConfig],
     overrides: Optional[dict[str, Any]] = None,
@@ -105,12 +133,25 @@ def build_from_config(
     """Build the method (with its student, optimizer, LR schedule), the loader and the start step."""
     from accelerate.utils import set_seed
 
-    from fv_accel.checkpoint import load_checkpoint, resolve_resume
+    from fv_accel.checkpoint import (
+        check_fresh_output_dir,
+        check_resume_compatible,
+        load_checkpoint,
+        read_metadata,
+        resolve_resume,
+    )
     from fv_accel.data.loader import build_train_loader
     from fv_accel.methods import METHODS
     from fv_accel.models import build_student
 
     cfg = path_or_dict if isinstance(path_or_dict, RunConfig) else load_config(path_or_dict, overrides)
+    # Everything that can be wrong with the recipe, the data or the output folder is checked before
+    # anything is written to the output folder.
+    ck = cfg.training.checkpoint
+    resume = resolve_resume(ck.output_dir, ck.resume_from_checkpoint)
+    if resume is None:
+        check_fresh_output_dir(ck.output_dir)
+    resume_meta = read_metadata(resume) if resume is not None else None
     acc = accelerator or build_accelerator(cfg)
     logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Identical initial weights on every rank for inline (random-init) students.
@@ -121,6 +162,9 @@ def build_from_config(
     student.attach_accelerator(acc)
     method = METHODS[cfg.method.name](cfg=cfg, role_models={"student": student})
     loader = build_train_loader(cfg, world_size=acc.num_processes, rank=acc.process_index, data_path=data_path)
+    check_data_fits_model(loader.dataset, student, method)
+    if resume_meta is not None:
+        check_resume_compatible(resume_meta, method, cfg, resume)
     if acc.is_main_process:
         logger.info(
             "method %s | student %s | training shift %.3g (models.student.flow_shift) | sampling shift %.3g "
@@ -137,12 +181,11 @@ def build_from_config(
     )
     acc.init_trackers(cfg.training.tracker.project_name, config=_flat_hparams(cfg))
     run = BuiltRun(method=method, dataloader=loader, start_step=0, accelerator=acc, config=cfg, callbacks=list(callbacks or []))
-    ck = cfg.training.checkpoint
-    resume = resolve_resume(ck.output_dir, ck.resume_from_checkpoint)
     if resume is not None:
         from fv_accel.trainer import Trainer
 
         run.start_step = load_checkpoint(Trainer(run), resume)
+        run.trainer_state = dict(resume_meta.get("trainer") or {})
         if acc.is_main_process:
             logger.info("resumed from %s at step %d", resume, run.start_step)
     return run

@@ -18,8 +18,17 @@ def main(method: str, argv: Optional[list[str]] = None) -> int:
         print(cfg.to_yaml(), end="")
         return 0
     from fv_accel.build import build_from_config
-    from fv_accel.trainer import Trainer
+    from fv_accel.checkpoint import CheckpointError
+    from fv_accel.trainer import Trainer, TrainingStopped
 
-    run = build_from_config(cfg)
-    Trainer(run).run()
+    try:
+        run = build_from_config(cfg)
+    except (ConfigError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        Trainer(run).run()
+    except TrainingStopped as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0

@@ -147,6 +147,8 @@ class CheckpointConfig:
     checkpoints_total_limit: int = 0
     # Write the trained weights (transformer folder / LoRA files) at the end of the run.
     save_final: bool = True
+    # Resuming with a recipe that changes the math (method, chunk size, shift) is refused unless set.
+    allow_recipe_change: bool = False
 
 
 @dataclass

@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -17,6 +20,18 @@ import torch
 from fv_accel.data.loader import latent_tokens
 
 logger = logging.getLogger(__name__)
+
+# A launcher relays a signal it got itself (accelerate launch sends SIGTERM to the trainer on Ctrl-C or
+# SIGTERM): a repeat this soon after the first is the same request, not a "stop now".
+SIGNAL_REPEAT_GRACE_S = 2.0
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on a numerical fault (training.loop.nan_policy); `checkpoint` holds its state."""
+
+    def __init__(self, message: str, checkpoint: Optional[Path]):
+        super().__init__(message)
+        self.checkpoint = checkpoint
 
 
 class TrainerCallback:
@@ -48,6 +63,71 @@ class Trainer:
         self.history: list[dict] = []
         self.output_dir = Path(self.config.training.checkpoint.output_dir)
         self._metrics_file = None
+        # Numerical faults (training.loop.nan_policy); restored on resume.
+        resumed = getattr(run, "trainer_state", None) or {}
+        self.skipped_steps = int(resumed.get("skipped_steps", 0))
+        self.consecutive_skips = int(resumed.get("consecutive_skips", 0))
+        self.last_checkpoint: Optional[Path] = None
+        self._stop_signal: Optional[int] = None
+        self._stop_signal_time = 0.0
+
+    # ---- trainer counters kept in checkpoints (metadata.json) ----
+    def state_dict(self) -> dict:
+        return {"skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
+
+    def save_checkpoint(self) -> Path:
+        from fv_accel.checkpoint import save_checkpoint
+
+        if self.last_checkpoint is None or self.last_checkpoint.name != f"checkpoint-{self.step}":
+            self.last_checkpoint = save_checkpoint(self, self.step)
+        return self.last_checkpoint
+
+    # ---- preemption: SIGTERM/SIGINT stop at the next step boundary with a checkpoint ----
+    def _install_signal_handlers(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self._stop_signal is None:
+            self._stop_signal, self._stop_signal_time = signum, now
+            # os.write: print() is not safe inside a handler that may interrupt another print.
+            os.write(2, f"received {name}: saving a checkpoint after the current step (send it again to exit at once)\n".encode())
+            return
+        if now - self._stop_signal_time < SIGNAL_REPEAT_GRACE_S:
+            return
+        os.write(2, f"received {name} again: exiting now without a checkpoint\n".encode())
+        os._exit(128 + signum)
+
+    def _stop_requested(self) -> bool:
+        flag = self._stop_signal is not None
+        if self.accelerator.num_processes > 1:  # every rank must stop at the same step
+            t = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
+            flag = bool(self.accelerator.reduce(t, reduction="sum").item() > 0)
+        return flag
+
+    # ---- numerical faults: checked before the optimizer step ----
+    def _find_fault(self, loss: torch.Tensor, grad_norm: Any, micro: list, step: int) -> Optional[str]:
+        """A message naming the step, loss and timesteps if the loss or gradient norm is non-finite."""
+        acc = self.accelerator
+        loss_bad = ~torch.isfinite(loss.detach().float().reshape(()))
+        # Under fp16 the grad scaler owns overflowing gradients (it skips the step and lowers the scale).
+        norm_checked = grad_norm is not None and acc.scaler is None
+        norm = torch.as_tensor(grad_norm if norm_checked else 0.0, dtype=torch.float32, device=loss_bad.device)
+        flags = torch.stack([loss_bad.float(), (~torch.isfinite(norm)).float()]).to(acc.device)
+        if acc.num_processes > 1:
+            flags = acc.reduce(flags, reduction="sum")
+        if not bool(flags.sum().item() > 0):
+            return None
+        losses = [float(l) for l, _ in micro]
+        timesteps = [None if t is None else [round(v, 2) for v in t.detach().float().flatten().tolist()] for _, t in micro]
+        what = "loss" if flags[0] > 0 else "gradient norm"
+        return (
+            f"non-finite {what} at step {step}: loss={float(loss):.6g} (micro-batches {losses}), "
+            f"grad_norm={float(norm) if norm_checked else None}, timesteps={timesteps}"
+        )
 
     # ---- checkpoint hooks for callbacks ----
     def extra_state_tensors(self) -> dict[str, torch.Tensor]:
@@ -74,9 +154,19 @@ class Trainer:
             self._metrics_file.flush()
 
     def run(self) -> dict:
-        from tqdm.auto import tqdm
+        """Train to `max_train_steps`; a SIGTERM/SIGINT stops at the next step boundary with a checkpoint."""
+        previous_handlers = self._install_signal_handlers()
+        try:
+            return self._train()
+        finally:
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+            if self._metrics_file is not None:
+                self._metrics_file.close()
+                self._metrics_file = None
 
-        from fv_accel.checkpoint import save_checkpoint
+    def _train(self) -> dict:
+        from tqdm.auto import tqdm
 
         acc = self.accelerator
         cfg = self.config
@@ -89,6 +179,8 @@ class Trainer:
         ckpt_every = cfg.training.checkpoint.training_state_checkpointing_steps
         log_every = cfg.training.tracker.log_every
         params = student.trainable_parameters()
+        nan_policy = cfg.training.loop.nan_policy
+        max_skips = cfg.training.loop.max_consecutive_skips
 
         for cb in self.callbacks:
             cb.on_train_start(self)
@@ -99,6 +191,7 @@ class Trainer:
         t_start = time.perf_counter()
         steps_run = 0
         samples_run = 0
+        stopped_by: Optional[str] = None
         model.train()
         while self.step < max_steps:
             t0 = time.perf_counter()
@@ -108,6 +201,8 @@ class Trainer:
             samples = 0
             tokens = 0
             grad_norm = None
+            fault = None
+            micro_records: list = []  # (loss, timesteps) per micro-batch, read only to report a fault
             for micro in range(k):
                 td = time.perf_counter()
                 batch = next(data_iter)
@@ -115,6 +210,8 @@ class Trainer:
                 with acc.accumulate(model):
                     loss_map, outputs, metrics = method.single_train_step(batch, self.step)
                     method.backward(loss_map, outputs, grad_accum_rounds=k)
+                    tb = outputs.get("training_batch")
+                    micro_records.append((loss_map["total_loss"].detach(), getattr(tb, "timesteps", None)))
                     for name, value in loss_map.items():
                         loss_sums[name] = loss_sums.get(name, 0.0) + value.detach().float() / k
                     for name, value in metrics.items():
@@ -122,14 +219,27 @@ class Trainer:
                     samples += batch["vae_latent"].shape[0]
                     tokens += batch["vae_latent"].shape[0] * latent_tokens(batch["vae_latent"].shape[1:])
                     if acc.sync_gradients:
-                        if max_norm > 0:
-                            grad_norm = acc.clip_grad_norm_(params, max_norm)
-                        method.optimizer.step()
+                        # The norm is taken even without clipping (max norm inf) to catch a
+                        # non-finite gradient before it reaches the weights.
+                        grad_norm = acc.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+                        fault = self._find_fault(loss_sums["total_loss"], grad_norm, micro_records, self.step + 1)
+                        if fault is None:
+                            method.optimizer.step()
+                        elif acc.scaler is not None:
+                            acc.scaler.update()  # clip_grad_norm_ unscaled: reset the scaler's step state
+                        # The schedule follows the step count, skipped steps included (exact resume).
                         method.lr_scheduler.step()
                         method.optimizer.zero_grad(set_to_none=True)
             self.dataloader.mark_step_done(batch)
             self.step += 1
             steps_run += 1
+            if fault is None:
+                self.consecutive_skips = 0
+            else:
+                self.skipped_steps += 1
+                self.consecutive_skips += 1
+                if acc.is_main_process:
+                    logger.warning("skipped step %d (%d skipped in all): %s", self.step, self.skipped_steps, fault)
             step_time = time.perf_counter() - t0
 
             # Means over data-parallel ranks (FastVideo logged rank 0's alone).
@@ -147,6 +257,7 @@ class Trainer:
             logs["samples_per_s"] = global_samples / step_time
             logs["latent_tokens_per_s"] = tokens * acc.num_processes / step_time
             logs["epoch"] = self.dataloader.epoch
+            logs["skipped_steps"] = self.skipped_steps
             self.history.append({"step": self.step, **logs})
             if self.step % log_every == 0 or self.step == max_steps:
                 self._log(logs, self.step)
@@ -156,14 +267,40 @@ class Trainer:
             for cb in self.callbacks:
                 cb.on_step_end(self, self.step, logs)
             if ckpt_every and self.step % ckpt_every == 0 and self.step < max_steps:
-                save_checkpoint(self, self.step)
+                self.save_checkpoint()
+            stop_reason = None
+            if fault is not None and nan_policy == "stop":
+                stop_reason = f"stopped (training.loop.nan_policy: stop): {fault}"
+            elif fault is not None and self.consecutive_skips > max_skips:
+                stop_reason = (
+                    f"stopped: {self.consecutive_skips} non-finite steps in a row, more than "
+                    f"training.loop.max_consecutive_skips ({max_skips}); last: {fault}"
+                )
+            if stop_reason is not None:
+                progress.close()
+                ckpt = self.save_checkpoint()
+                acc.end_training()
+                raise TrainingStopped(f"{stop_reason}; checkpoint saved in {ckpt}", ckpt)
+            if self.step < max_steps and self._stop_requested():
+                stopped_by = signal.Signals(self._stop_signal).name if self._stop_signal else "another rank's signal"
+                break
         progress.close()
 
         wall = time.perf_counter() - t_start
-        for cb in self.callbacks:
-            cb.on_train_end(self)
-        if cfg.training.checkpoint.save_final:
-            student.save_final(acc, self.output_dir)
+        if stopped_by is not None:
+            # Preempted: not the end of training, so no final weights and no end-of-run callbacks.
+            ckpt = self.save_checkpoint()
+            if acc.is_main_process:
+                print(
+                    f"stopped by {stopped_by} after step {self.step}: checkpoint saved in {ckpt}; "
+                    f"continue with --resume_from_checkpoint latest",
+                    flush=True,
+                )
+        else:
+            for cb in self.callbacks:
+                cb.on_train_end(self)
+            if cfg.training.checkpoint.save_final:
+                student.save_final(acc, self.output_dir)
         acc.wait_for_everyone()
         summary = {
             "steps": steps_run,
@@ -172,8 +309,11 @@ class Trainer:
             "samples_per_s": samples_run / wall if wall > 0 else math.nan,
             "first_loss": self.history[0]["loss"] if self.history else math.nan,
             "last_loss": self.history[-1]["loss"] if self.history else math.nan,
+            "skipped_steps": self.skipped_steps,
+            "stopped_by": stopped_by,
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }
-        if acc.is_main_process:
+        if acc.is_main_process and stopped_by is None:
             logger.info("run summary: %s", summary)
             print(
                 f"done: {steps_run} steps in {wall:.1f}s, loss {summary['first_loss']:.4f} -> "

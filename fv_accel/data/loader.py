@@ -33,6 +33,11 @@ class LatentDataset(Dataset):
 
         self.data_path = str(data_path)
         self.files = parquet_files(data_path)
+        import pyarrow.parquet as pq
+
+        # `datasets` refuses a dataset without rows with an unrelated message; say it plainly.
+        if sum(pq.ParquetFile(f).metadata.num_rows for f in self.files) == 0:
+            raise ValueError(f"{self.data_path}: the dataset is empty (0 rows in {len(self.files)} Parquet file(s))")
         self.ds = datasets.Dataset.from_parquet(self.files)
         missing = [c for c in REQUIRED_COLUMNS if c not in self.ds.column_names]
         if missing:
