@@ -90,3 +90,32 @@ def test_local_folder_errors_name_the_folder(tmp_path, tiny_model_dir):
     (broken / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match=f"'{broken}'.*folder exists but has no loadable transformer"):
         _load(init_from=str(broken))
+
+
+HUB_RECIPES = {
+    # recipe: (Hub id, method, learning rate, frames, latent frames, validation every)
+    "wan2_1_t2v_1_3b_sft": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "finetune", 1e-6, 77, 20, 100),
+    "wan2_1_t2v_1_3b_lora": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "finetune", 1e-4, 77, 20, 100),
+    "wan2_1_t2v_1_3b_dfsft": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "dfsft", 2e-6, 69, 18, 50),
+    "skyreels_v2_df_1_3b_dfsft": ("Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers", "dfsft", 2e-6, 69, 18, 50),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUB_RECIPES))
+def test_hub_recipes_carry_fastvideo_defaults(name):
+    from fv_accel.config import CONFIG_DIR
+
+    model_id, method, lr, frames, latent_t, every = HUB_RECIPES[name]
+    cfg = load_config(CONFIG_DIR / f"{name}.yaml")
+    assert cfg.models.student.init_from == model_id and cfg.models.student.transformer_config is None
+    assert cfg.method.name == method and cfg.training.optimizer.learning_rate == lr
+    assert cfg.training.optimizer.weight_decay == 0.01 and cfg.training.optimizer.betas == [0.9, 0.999]
+    data = cfg.training.data
+    assert (data.num_frames, data.num_latent_t, data.num_height, data.num_width) == (frames, latent_t, 448, 832)
+    assert (data.num_frames - 1) // 4 + 1 == data.num_latent_t
+    assert cfg.training.loop.max_train_steps == 4000 and cfg.models.student.flow_shift == 3.0
+    assert cfg.callbacks.validation.every_steps == every and cfg.callbacks.grad_clip.max_grad_norm == 1.0
+    assert cfg.models.student.lora.enable == name.endswith("_lora")
+    if method == "dfsft":
+        assert cfg.method.chunk_size == 3 and cfg.models.student.causal
+        assert data.num_latent_t % cfg.method.chunk_size == 0
