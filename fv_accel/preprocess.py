@@ -36,7 +36,6 @@ import torch
 
 from fv_accel.data.schema import DATASET_INFO, make_row, write_dataset_info, write_rows
 from fv_accel.data.video import (
-    IMAGE_EXTENSIONS,
     MEDIA_EXTENSIONS,
     ClipError,
     FrameSampling,

@@ -7,7 +7,6 @@ import csv
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
