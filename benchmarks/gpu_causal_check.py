@@ -1,6 +1,7 @@
 """Checks and figures for block-causal students, on one GPU (or on CPU where flex has no backward).
 
     python benchmarks/gpu_causal_check.py [--device cuda|cpu] [--sections equality,grid,mask,rollout]
+        [--rollout-frames 21] [--rollout-height 16] [--rollout-steps 4] [--rollout-chunk 3] [--threads N]
 
 Sections (each prints one JSON line; the exit status is 1 if a check fails):
 - equality: the tiny causal student (configs/tiny_dfsft_causal.yaml, chunk 3) with the FlexAttention
@@ -159,15 +160,22 @@ def check_rollout(device: torch.device, frames: int, height: int, steps: int, ch
     kwargs = dict(num_steps=steps, shift=3.0, guidance_scale=5.0, negative_text=torch.zeros_like(text))
     kv_cached_rollout(student, noise, text, **kwargs)  # warm-up
     _sync(device)
+    cpu_start = time.process_time()
     cached = kv_cached_rollout(student, noise, text, **kwargs)
     _sync(device)
+    cpu_cached = time.process_time() - cpu_start
+    cpu_start = time.process_time()
     reference = causal_reference_sampler(student, noise, text, **kwargs)
     _sync(device)
+    cpu_reference = time.process_time() - cpu_start
     diff = float((cached.latents - reference.latents).abs().max())
     report(
         "rollout", diff < 1e-4, device=str(device), latent_grid=[frames, height, height], chunk=chunk, steps=steps,
         guidance=5.0, max_abs_diff=diff, cached_s=round(cached.seconds, 3), uncached_s=round(reference.seconds, 3),
-        speedup=round(reference.seconds / cached.seconds, 2), cached_frames=cached.forward_frames,
+        speedup=round(reference.seconds / cached.seconds, 2),
+        # Process CPU time is steadier than wall time on a shared machine.
+        cached_cpu_s=round(cpu_cached, 3), uncached_cpu_s=round(cpu_reference, 3),
+        cpu_time_speedup=round(cpu_reference / cpu_cached, 2), cached_frames=cached.forward_frames,
         uncached_frames=reference.forward_frames,
     )
 
@@ -180,7 +188,10 @@ def main() -> int:
     parser.add_argument("--rollout-height", type=int, default=16, help="latent height = width")
     parser.add_argument("--rollout-steps", type=int, default=4)
     parser.add_argument("--rollout-chunk", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
