@@ -123,6 +123,19 @@ def check_data_fits_model(dataset: Any, student: Any, method: Any) -> None:
             )
 
 
+def build_callbacks(cfg: RunConfig, data_path: str, accelerator: Any = None) -> list:
+    """EMA, held-out loss and sample videos, as the recipe's `callbacks` section asks."""
+    from fv_accel.ema import EmaCallback
+    from fv_accel.validation import build_validation_callbacks
+
+    out: list = []
+    ema = None
+    if cfg.callbacks.ema.enable:
+        ema = EmaCallback.from_config(cfg)
+        out.append(ema)
+    return out + build_validation_callbacks(cfg, data_path, ema=ema, accelerator=accelerator)
+
+
 def build_from_config(
     path_or_dict: Union[str, os.PathLike, dict, RunConfig],
     overrides: Optional[dict[str, Any]] = None,
@@ -161,7 +174,12 @@ def build_from_config(
     student = build_student(cfg)
     student.attach_accelerator(acc)
     method = METHODS[cfg.method.name](cfg=cfg, role_models={"student": student})
-    loader = build_train_loader(cfg, world_size=acc.num_processes, rank=acc.process_index, data_path=data_path)
+    from fv_accel.validation import training_exclusions
+
+    heldout_rows = training_exclusions(cfg, data_path)
+    loader = build_train_loader(
+        cfg, world_size=acc.num_processes, rank=acc.process_index, data_path=data_path, exclude_indices=heldout_rows
+    )
     check_data_fits_model(loader.dataset, student, method)
     if resume_meta is not None:
         check_resume_compatible(resume_meta, method, cfg, resume)
@@ -180,7 +198,11 @@ def build_from_config(
         student.transformer, method.optimizer, method.lr_scheduler
     )
     acc.init_trackers(cfg.training.tracker.project_name, config=_flat_hparams(cfg))
-    run = BuiltRun(method=method, dataloader=loader, start_step=0, accelerator=acc, config=cfg, callbacks=list(callbacks or []))
+    if heldout_rows and acc.is_main_process:
+        logger.info("%d training row(s) held out for validation (callbacks.validation.heldout_fraction)", len(heldout_rows))
+    # Built-in callbacks first: checkpoints key callback state by position.
+    all_callbacks = build_callbacks(cfg, data_path, acc) + list(callbacks or [])
+    run = BuiltRun(method=method, dataloader=loader, start_step=0, accelerator=acc, config=cfg, callbacks=all_callbacks)
     if resume is not None:
         from fv_accel.trainer import Trainer
 

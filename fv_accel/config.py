@@ -157,6 +157,10 @@ class TrackerConfig:
     project_name: str = "fv_accel"
     run_name: str = "run"
     log_every: int = 1
+    # Draw loss / held-out / throughput PNGs into <output_dir>/plots at the end (fv_accel/plot.py).
+    write_plots: bool = True
+    # Peak accelerator TFLOP/s for the MFU estimate; None looks the device up (fv_accel/telemetry.py).
+    peak_tflops: Optional[float] = None
 
 
 @dataclass
@@ -196,27 +200,38 @@ class ValidationConfig:
     enable: bool = False
     every_steps: int = 100
     at_start: bool = False
-    # Prompt file (JSON/JSONL/TXT); None uses `prompts`.
+    # Prompt file (JSON/JSONL/TXT), used with `prompts` (strings or objects with per-prompt
+    # height, width, frames, steps, guidance, seed, negative_prompt, name; fv_accel/validation.py).
     prompt_file: Optional[str] = None
-    prompts: list[str] = field(default_factory=list)
+    prompts: list[Union[str, dict]] = field(default_factory=list)
+    negative_prompt: str = ""
     sampling_steps: int = 50
     guidance_scale: float = 5.0
     # Sampling shift (FastVideo's pipeline.flow_shift), distinct from the training shift.
     sampling_flow_shift: float = 3.0
+    # None: the size of the first training clip.
     height: Optional[int] = None
     width: Optional[int] = None
     num_frames: Optional[int] = None
     seed: int = 1234
     fps: int = 8
-    # DFSFT sampler: frames of one chunk ahead of the next (autoregressive offset), noise on context.
-    ar_step: int = 0
+    # Model folder / Hub id whose VAE and text encoder sample; None: the student's init_from, else
+    # the model that encoded the dataset (its fv_dataset.json).
+    model_from: Optional[str] = None
+    # DFSFT sampler: chunk k starts `ar_step` denoising steps after chunk k-1 (0: all together;
+    # None: when chunk k-1 is clean, chunk by chunk); clean context re-noised to `context_noise`.
+    ar_step: Optional[int] = None
     context_noise: float = 0.0
     use_ema: bool = True
-    # Held-out loss by noise level.
+    # Held-out loss by noise level. A fraction of the training rows is never trained on (even with
+    # validation off, so enabling validation never changes training).
     heldout_fraction: float = 0.0
+    # A Parquet dataset, or "tiny": heldout_max_samples new tiny clips (data seed + 1).
     heldout_data_path: Optional[str] = None
     heldout_sigma_buckets: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
     heldout_max_samples: int = 8
+    # DFSFT only: per-chunk noise patterns (ramp_up, ramp_down, clean_context, or per-chunk sigmas).
+    heldout_chunk_patterns: list[Union[str, list[float]]] = field(default_factory=lambda: ["ramp_up", "ramp_down"])
 
 
 @dataclass
@@ -433,6 +448,44 @@ def validate(cfg: RunConfig, source: str) -> None:
         raise bad("callbacks.validation.sampling_steps", val.sampling_steps, "an integer >= 1")
     if not 0.0 <= val.heldout_fraction < 1.0:
         raise bad("callbacks.validation.heldout_fraction", val.heldout_fraction, "a number in [0, 1)")
+    for key in ("height", "width"):
+        side = getattr(val, key)
+        if side is not None and (side <= 0 or side % 16):
+            raise bad(f"callbacks.validation.{key}", side, "a positive multiple of 16")
+    if val.num_frames is not None and (val.num_frames < 1 or (val.num_frames - 1) % 4):
+        raise bad("callbacks.validation.num_frames", val.num_frames, "a frame count of the form 4k+1")
+    if val.guidance_scale < 0:
+        raise bad("callbacks.validation.guidance_scale", val.guidance_scale, "a number >= 0")
+    if val.sampling_flow_shift <= 0:
+        raise bad("callbacks.validation.sampling_flow_shift", val.sampling_flow_shift, "a number > 0")
+    if val.fps < 1:
+        raise bad("callbacks.validation.fps", val.fps, "an integer >= 1")
+    if val.ar_step is not None and val.ar_step < 0:
+        raise bad("callbacks.validation.ar_step", val.ar_step, "an integer >= 0, or null (chunk by chunk)")
+    if not 0.0 <= val.context_noise < 1.0:
+        raise bad("callbacks.validation.context_noise", val.context_noise, "a sigma in [0, 1)")
+    if val.heldout_fraction > 0 and val.heldout_data_path:
+        raise bad(
+            "callbacks.validation.heldout_fraction",
+            val.heldout_fraction,
+            f"0 when callbacks.validation.heldout_data_path is set ({val.heldout_data_path!r}): one held-out set",
+        )
+    if val.heldout_max_samples < 1:
+        raise bad("callbacks.validation.heldout_max_samples", val.heldout_max_samples, "an integer >= 1")
+    if not val.heldout_sigma_buckets or not all(0.0 < s <= 1.0 for s in val.heldout_sigma_buckets):
+        raise bad("callbacks.validation.heldout_sigma_buckets", val.heldout_sigma_buckets, "sigmas in (0, 1]")
+    for i, pattern in enumerate(val.heldout_chunk_patterns):
+        ok = pattern in ("ramp_up", "ramp_down", "clean_context") if isinstance(pattern, str) else (
+            bool(pattern) and all(0.0 <= s <= 1.0 for s in pattern)
+        )
+        if not ok:
+            raise bad(
+                f"callbacks.validation.heldout_chunk_patterns[{i}]",
+                pattern,
+                "ramp_up, ramp_down, clean_context or a list of sigmas in [0, 1]",
+            )
+    if cfg.training.tracker.peak_tflops is not None and cfg.training.tracker.peak_tflops <= 0:
+        raise bad("training.tracker.peak_tflops", cfg.training.tracker.peak_tflops, "a number > 0")
 
 
 # --------------------------------------------------------------------------------------------

@@ -49,6 +49,10 @@ class TrainerCallback:
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
 
+    # Figures for the end-of-run summary table (e.g. the best held-out loss).
+    def summary(self) -> dict[str, Any]:
+        return {}
+
 
 class Trainer:
     def __init__(self, run: Any, callbacks: Optional[list[TrainerCallback]] = None):
@@ -142,6 +146,10 @@ class Trainer:
             cb.load_state_tensors({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
 
     # ---- logging ----
+    def log_metrics(self, logs: dict, step: int) -> None:
+        """Scalars to the trackers and logs/metrics.jsonl (main process writes); for callbacks."""
+        self._log(logs, step)
+
     def _log(self, logs: dict, step: int) -> None:
         acc = self.accelerator
         acc.log(logs, step=step)
@@ -152,6 +160,25 @@ class Trainer:
                 self._metrics_file = open(path, "a", encoding="utf-8")
             self._metrics_file.write(json.dumps({"step": step, **logs}) + "\n")
             self._metrics_file.flush()
+
+    def _write_summary(self, summary: dict, *, plots: bool) -> None:
+        """logs/summary.json, the summary table on stdout and, if asked, the plots (main process)."""
+        from fv_accel.telemetry import format_summary
+
+        path = self.output_dir / "logs" / "summary.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        shown = {k: v for k, v in summary.items() if v is not None}
+        print("run summary\n" + format_summary(shown), flush=True)
+        if plots:
+            try:
+                from fv_accel.plot import write_plots
+
+                written = write_plots(self.output_dir)
+                if written:
+                    print(f"plots: {', '.join(str(p) for p in written)}", flush=True)
+            except Exception as err:  # noqa: BLE001 - a plotting problem must not fail a finished run
+                logger.warning("could not write the plots: %s: %s", type(err).__name__, err)
 
     def run(self) -> dict:
         """Train to `max_train_steps`; a SIGTERM/SIGINT stops at the next step boundary with a checkpoint."""
@@ -182,6 +209,10 @@ class Trainer:
         nan_policy = cfg.training.loop.nan_policy
         max_skips = cfg.training.loop.max_consecutive_skips
 
+        from fv_accel.telemetry import Telemetry
+
+        telemetry = Telemetry(acc, model, cfg.training.tracker.peak_tflops)
+        tokens_run = 0
         for cb in self.callbacks:
             cb.on_train_start(self)
         progress = tqdm(
@@ -258,6 +289,8 @@ class Trainer:
             logs["latent_tokens_per_s"] = tokens * acc.num_processes / step_time
             logs["epoch"] = self.dataloader.epoch
             logs["skipped_steps"] = self.skipped_steps
+            logs.update(telemetry.step_metrics(step_time=step_time, samples=samples, tokens=tokens))
+            tokens_run += tokens * acc.num_processes
             self.history.append({"step": self.step, **logs})
             if self.step % log_every == 0 or self.step == max_steps:
                 self._log(logs, self.step)
@@ -313,6 +346,14 @@ class Trainer:
             "stopped_by": stopped_by,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }
+        summary["latent_tokens_per_s"] = tokens_run / wall if wall > 0 else math.nan
+        summary["peak_cpu_rss_gb"] = telemetry.peak_rss / 2**30
+        if telemetry.on_cuda:
+            summary["peak_mem_gb"] = torch.cuda.max_memory_allocated(acc.device) / 2**30
+        for cb in self.callbacks:
+            summary.update(cb.summary())
+        if acc.is_main_process:
+            self._write_summary(summary, plots=stopped_by is None and cfg.training.tracker.write_plots)
         if acc.is_main_process and stopped_by is None:
             logger.info("run summary: %s", summary)
             print(

@@ -133,6 +133,7 @@ class BucketBatchSampler:
         seed: int = 0,
         shuffle: bool = True,
         weights: Optional[Sequence[float]] = None,
+        exclude_indices: Optional[Sequence[int]] = None,
     ):
         self.bucket_keys = list(bucket_keys)
         self.batch_size = batch_size
@@ -142,6 +143,8 @@ class BucketBatchSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.weights = list(weights) if weights is not None else None
+        # Rows never yielded (a held-out split carved out of the training data, fv_accel/validation.py).
+        self.exclude_indices = frozenset(int(i) for i in exclude_indices or ())
         self.group_size = batch_size * world_size * grad_accum
         self.position = LoaderPosition()
         self.dropped_per_epoch = 0
@@ -158,7 +161,8 @@ class BucketBatchSampler:
     def _buckets(self) -> dict[tuple, list[int]]:
         buckets: dict[tuple, list[int]] = defaultdict(list)
         for i, key in enumerate(self.bucket_keys):
-            buckets[key].append(i)
+            if i not in self.exclude_indices:
+                buckets[key].append(i)
         return buckets
 
     def epoch_groups(self, epoch: int) -> list[list[int]]:
@@ -183,6 +187,8 @@ class BucketBatchSampler:
         each sample drawn with probability proportional to its weight, then bucketed. Drawing over
         the whole dataset, not per bucket, keeps the datasets' shares right when they differ in shape."""
         w = torch.tensor(self.weights, dtype=torch.float64)
+        if self.exclude_indices:
+            w[sorted(self.exclude_indices)] = 0.0
         draws = torch.multinomial(w, num_samples=len(self.bucket_keys), replacement=True, generator=g)
         buckets: dict[tuple, list[int]] = defaultdict(list)
         for i in draws.tolist():
@@ -263,7 +269,10 @@ class TrainLoader:
         return self._consumed.epoch
 
 
-def build_train_loader(cfg, *, world_size: int, rank: int, data_path: Optional[str] = None) -> TrainLoader:
+def build_train_loader(
+    cfg, *, world_size: int, rank: int, data_path: Optional[str] = None, exclude_indices: Optional[Sequence[int]] = None
+) -> TrainLoader:
+    """`exclude_indices`: rows of the (first) dataset the loader must never yield (a held-out split)."""
     data = cfg.training.data
     path = data_path or data.data_path
     dataset = LatentDataset(path, cfg_rate=data.training_cfg_rate, seed=data.seed)
@@ -278,6 +287,7 @@ def build_train_loader(cfg, *, world_size: int, rank: int, data_path: Optional[s
         grad_accum=cfg.training.loop.gradient_accumulation_steps,
         seed=data.seed,
         weights=weights,
+        exclude_indices=exclude_indices,
     )
     return TrainLoader(dataset, sampler, num_workers=data.dataloader_num_workers)
 

@@ -1,0 +1,711 @@
+"""Watching a run learn: sample videos and held-out loss by noise level (`callbacks.validation`).
+
+Both callbacks run every `every_steps` optimizer steps, at the last step, and at the start when
+`at_start` is set. Neither changes training: they run under `torch.no_grad`, in eval mode, on the
+unwrapped transformer, with their own CPU generators, and inside `torch.random.fork_rng` (so a
+stray global draw, e.g. a dropout, cannot shift the training stream); the EMA weights, when
+used, are swapped in and the trained weights restored bit for bit. A run with validation trains
+exactly as one without.
+
+Sample videos (`VideoSamplingCallback`): prompts from `prompts` and/or `prompt_file` (TXT: one
+per line; JSONL: one string or object per line; JSON: a list, or {"prompts": [...]}); an object
+may set `prompt`, `negative_prompt`, `height`, `width`, `frames`, `steps`, `guidance`, `seed`,
+`name`. A fine-tuned Wan student samples through diffusers' `WanPipeline`; a DFSFT student
+through the diffusion-forcing sampler of `fv_accel.sampling` (chunk by chunk). Videos are written
+to `<output_dir>/samples/step-<n>/` as mp4 and logged to TensorBoard (animated image summaries)
+and W&B (videos). The VAE and text encoder come from `model_from`, else the student's
+`init_from`, else the model that encoded the dataset (recorded in its `fv_dataset.json`); prompts
+are encoded once at the start and the text encoder is freed.
+
+Held-out loss (`HeldoutLossCallback`): a fixed set of clips (`heldout_data_path`; "tiny" builds
+`heldout_max_samples` fresh tiny clips with the data seed + 1; or a `heldout_fraction` of the
+training rows, chosen from the data seed and never seen by the training loader) is noised with fixed per-clip noise to each sigma of `heldout_sigma_buckets`
+(the nearest entry of the training table) and scored with the flow-matching loss; `heldout/loss`
+is the mean over buckets. DFSFT students are also scored on fixed per-chunk noise patterns
+(`heldout_chunk_patterns`). Fixed noise and timesteps make the numbers comparable across steps
+and across runs with the same held-out set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from fv_accel.trainer import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+# The held-out split is drawn from the data seed with this offset (not the training order's stream).
+_HELDOUT_SPLIT_SALT = 104_729
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplePrompt:
+    prompt: str
+    negative_prompt: str
+    height: int
+    width: int
+    num_frames: int
+    sampling_steps: int
+    guidance_scale: float
+    seed: int
+    name: str
+
+
+# Accepted keys of a prompt object and the field each one sets (short names as in the brief).
+PROMPT_KEYS = {
+    "prompt": "prompt",
+    "negative_prompt": "negative_prompt",
+    "height": "height",
+    "width": "width",
+    "frames": "num_frames",
+    "num_frames": "num_frames",
+    "steps": "sampling_steps",
+    "sampling_steps": "sampling_steps",
+    "guidance": "guidance_scale",
+    "guidance_scale": "guidance_scale",
+    "seed": "seed",
+    "name": "name",
+}
+
+
+def read_prompt_file(path: Union[str, Path]) -> list[Union[str, dict]]:
+    """Entries of a TXT / JSONL / JSON prompt file (strings or objects), errors naming the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"callbacks.validation.prompt_file: '{path}' does not exist")
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    if suffix == ".jsonl":
+        entries = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: line {n}: not valid JSON ({err.msg})") from None
+        return entries
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        if isinstance(data, dict) and set(data) == {"prompts"}:
+            data = data["prompts"]
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a list of prompts or {{\"prompts\": [...]}}")
+        return data
+    raise ValueError(f"{path}: unknown prompt file type '{suffix}' (use .txt, .jsonl or .json)")
+
+
+def _slug(text: str, limit: int = 40) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return slug[:limit].rstrip("-") or "prompt"
+
+
+def resolve_prompts(entries: Sequence[Union[str, dict]], defaults: dict[str, Any], where: str) -> list[SamplePrompt]:
+    """Fill each entry from `defaults` (a dict of SamplePrompt fields; `seed` is the base seed,
+    prompt i defaulting to seed + i) and check it; errors name `where` and the entry."""
+    prompts = []
+    for i, entry in enumerate(entries):
+        here = f"{where}[{i}]"
+        if isinstance(entry, str):
+            entry = {"prompt": entry}
+        if not isinstance(entry, dict):
+            raise ValueError(f"{here}: expected a prompt string or an object, got {entry!r}")
+        values: dict[str, Any] = {}
+        for key, value in entry.items():
+            if key not in PROMPT_KEYS:
+                raise ValueError(f"{here}: unknown key '{key}'; known keys: {', '.join(sorted(PROMPT_KEYS))}")
+            field_name = PROMPT_KEYS[key]
+            if field_name in values:
+                raise ValueError(f"{here}: '{key}' sets {field_name} a second time")
+            values[field_name] = value
+        if not isinstance(values.get("prompt"), str) or not values["prompt"].strip():
+            raise ValueError(f"{here}: needs a non-empty 'prompt'")
+        merged = {**defaults, "seed": int(defaults["seed"]) + i, "name": "", **values}
+        for key in ("height", "width", "num_frames", "sampling_steps", "seed"):
+            value = merged[key]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{here}: '{key}' must be an integer, got {value!r}")
+        g = merged["guidance_scale"]
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0:
+            raise ValueError(f"{here}: 'guidance' must be a number >= 0, got {g!r}")
+        if merged["height"] <= 0 or merged["height"] % 16 or merged["width"] <= 0 or merged["width"] % 16:
+            raise ValueError(
+                f"{here}: height and width must be positive multiples of 16, got {merged['height']}x{merged['width']}"
+            )
+        if merged["num_frames"] < 1 or (merged["num_frames"] - 1) % 4:
+            raise ValueError(f"{here}: 'frames' must be of the form 4k+1 (1, 5, 9, ...), got {merged['num_frames']}")
+        if merged["sampling_steps"] < 1:
+            raise ValueError(f"{here}: 'steps' must be >= 1, got {merged['sampling_steps']}")
+        if not isinstance(merged["negative_prompt"], str):
+            raise ValueError(f"{here}: 'negative_prompt' must be a string")
+        name = merged["name"] or f"{i:02d}-{_slug(merged['prompt'])}"
+        prompts.append(
+            SamplePrompt(
+                prompt=merged["prompt"],
+                negative_prompt=merged["negative_prompt"],
+                height=merged["height"],
+                width=merged["width"],
+                num_frames=merged["num_frames"],
+                sampling_steps=merged["sampling_steps"],
+                guidance_scale=float(g),
+                seed=merged["seed"],
+                name=_slug(name, 60),
+            )
+        )
+    names = [p.name for p in prompts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: prompt names must be unique, got {names}")
+    return prompts
+
+
+# --------------------------------------------------------------------------------------------
+# Held-out split
+# --------------------------------------------------------------------------------------------
+
+
+def count_rows(data_path: str) -> int:
+    """Rows of a Parquet dataset, from the files' metadata (nothing is loaded)."""
+    import pyarrow.parquet as pq
+
+    from fv_accel.data.schema import parquet_files
+
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in parquet_files(data_path))
+
+
+def heldout_split(num_rows: int, fraction: float, seed: int) -> list[int]:
+    """The sorted row indices held out: round(fraction * rows) of them (at least one), drawn from
+    `seed`. The same rows for the same dataset and seed, whatever else changes."""
+    if fraction <= 0:
+        return []
+    count = max(1, int(round(fraction * num_rows)))
+    if count >= num_rows:
+        raise ValueError(
+            f"callbacks.validation.heldout_fraction: {fraction} of {num_rows} rows leaves nothing to train on"
+        )
+    g = torch.Generator().manual_seed(int(seed) + _HELDOUT_SPLIT_SALT)
+    return sorted(torch.randperm(num_rows, generator=g)[:count].tolist())
+
+
+def resolve_heldout_path(cfg: Any, accelerator: Any = None) -> Optional[str]:
+    """`heldout_data_path`, with "tiny" built (once, cached) as new tiny clips: the same
+    distribution as the tiny training set, other clips (data seed + 1)."""
+    import dataclasses
+
+    val = cfg.callbacks.validation
+    if val.heldout_data_path != "tiny":
+        return val.heldout_data_path
+    from fv_accel.data.tiny import ensure_tiny_dataset
+
+    data = dataclasses.replace(
+        cfg.training.data, seed=cfg.training.data.seed + 1, tiny_num_clips=val.heldout_max_samples
+    )
+    context = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
+    with context:
+        return str(ensure_tiny_dataset(data))
+
+
+def training_exclusions(cfg: Any, data_path: str) -> list[int]:
+    """Rows of the training data the training loader must not see (the carved-out held-out set).
+
+    Depends only on `heldout_fraction` and the data, not on `validation.enable`, so switching
+    validation on or off never changes what the model trains on."""
+    val = cfg.callbacks.validation
+    if val.heldout_fraction <= 0 or val.heldout_data_path:
+        return []
+    return heldout_split(count_rows(data_path), val.heldout_fraction, cfg.training.data.seed)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared: running the student for evaluation without touching training
+# --------------------------------------------------------------------------------------------
+
+
+def is_sharded(accelerator: Any) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+
+@contextlib.contextmanager
+def evaluation_mode(trainer: Any) -> Iterator[Any]:
+    """The student in eval mode on its unwrapped transformer (no DDP hooks or collectives), under
+    no_grad and autocast, with the global RNG state saved and restored; yields the student."""
+    acc = trainer.accelerator
+    student = trainer.method.student
+    wrapped = student.transformer
+    module = acc.unwrap_model(wrapped)
+    was_training = module.training
+    devices = [acc.device] if acc.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        student.transformer = module
+        module.eval()
+        try:
+            with torch.no_grad(), acc.autocast():
+                yield student
+        finally:
+            module.train(was_training)
+            student.transformer = wrapped
+
+
+def _is_due(trainer: Any, step: int, every: int) -> bool:
+    return step % every == 0 or step == trainer.config.training.loop.max_train_steps
+
+
+def chunk_size_of(method: Any) -> Optional[int]:
+    """The chunk size of a diffusion-forcing method, None for plain fine-tuning."""
+    return getattr(method, "_chunk_size", None)
+
+
+# --------------------------------------------------------------------------------------------
+# Held-out loss by noise level
+# --------------------------------------------------------------------------------------------
+
+
+def chunk_pattern_sigmas(pattern: Union[str, Sequence[float]], num_chunks: int, buckets: Sequence[float]) -> list[float]:
+    """Per-chunk sigmas of a named or explicit pattern.
+
+    "ramp_up": earlier chunks cleaner (lowest to highest bucket sigma, as when sampling chunk by
+    chunk); "ramp_down": the reverse; "clean_context": every chunk but the last at the lowest
+    bucket sigma, the last at the middle one. A list gives the sigmas of the first chunks; the
+    last value repeats for the rest."""
+    lo, hi = min(buckets), max(buckets)
+    if isinstance(pattern, str):
+        if pattern == "ramp_up":
+            return np.linspace(lo, hi, num_chunks).tolist() if num_chunks > 1 else [lo]
+        if pattern == "ramp_down":
+            return np.linspace(hi, lo, num_chunks).tolist() if num_chunks > 1 else [hi]
+        if pattern == "clean_context":
+            mid = sorted(buckets)[len(buckets) // 2]
+            return [lo] * (num_chunks - 1) + [mid]
+        raise ValueError(
+            f"callbacks.validation.heldout_chunk_patterns: unknown pattern {pattern!r} "
+            "(use ramp_up, ramp_down, clean_context or a list of sigmas)"
+        )
+    values = [float(v) for v in pattern]
+    return (values + [values[-1]] * num_chunks)[:num_chunks]
+
+
+def _pattern_name(pattern: Union[str, Sequence[float]]) -> str:
+    return pattern if isinstance(pattern, str) else "sigmas_" + "_".join(f"{float(v):.2f}" for v in pattern)
+
+
+class HeldoutLossCallback(TrainerCallback):
+    """Held-out flow-matching loss at fixed noise and fixed timesteps, per sigma bucket."""
+
+    def __init__(self, cfg: Any, data_path: str, heldout_path: Optional[str] = None):
+        """`heldout_path`: the resolved `heldout_data_path` (see `resolve_heldout_path`)."""
+        from fv_accel.data.loader import LatentDataset
+
+        val = cfg.callbacks.validation
+        self.every = val.every_steps
+        self.at_start = val.at_start
+        self.seed = val.seed
+        self.buckets = [float(s) for s in val.heldout_sigma_buckets]
+        self.patterns = list(val.heldout_chunk_patterns)
+        self.precondition = bool(cfg.training.model.precondition_outputs)
+        if heldout_path or val.heldout_data_path:
+            self.source = heldout_path or val.heldout_data_path
+            self.dataset = LatentDataset(self.source)
+            rows = list(range(len(self.dataset)))
+        else:
+            rows = heldout_split(count_rows(data_path), val.heldout_fraction, cfg.training.data.seed)
+            self.dataset = LatentDataset(data_path)
+            self.source = f"{data_path} ({val.heldout_fraction:g} held out)"
+        self.rows = rows[: val.heldout_max_samples]
+        self.best: Optional[tuple[float, int]] = None
+        self.first: Optional[tuple[float, int]] = None
+        self.last: Optional[tuple[float, int]] = None
+
+    # ---- the evaluation (collective: every rank calls it) ----
+    def _evaluations(self, table: Any, num_frames: int, chunk_size: Optional[int]) -> list[tuple[str, torch.Tensor]]:
+        """(log key, table indices) per evaluation: [1] for SFT, per frame [T] for DFSFT."""
+
+        def nearest(sigma: float) -> int:
+            return int((table.sigmas - sigma).abs().argmin())
+
+        evals = []
+        for s in self.buckets:
+            idx = torch.tensor([nearest(s)])
+            evals.append((f"heldout/sigma_{s:.2f}", idx if chunk_size is None else idx.repeat(num_frames)))
+        if chunk_size is not None:
+            from fv_accel.sampling import chunk_bounds
+
+            bounds = chunk_bounds(num_frames, chunk_size)
+            for pattern in self.patterns:
+                sigmas = chunk_pattern_sigmas(pattern, len(bounds), self.buckets)
+                idx = torch.tensor([nearest(sigmas[k]) for k, (s, e) in enumerate(bounds) for _ in range(s, e)])
+                evals.append((f"heldout/chunks_{_pattern_name(pattern)}", idx))
+        return evals
+
+    def evaluate(self, trainer: Any) -> dict[str, float]:
+        """Mean loss per evaluation over the held-out clips; identical on every rank."""
+        from fv_accel.methods.base import sample_generator_seed
+        from fv_accel.methods.fine_tuning.finetune import flow_matching_loss
+        from fv_accel.models.base import TrainingBatch
+
+        acc = trainer.accelerator
+        chunk_size = chunk_size_of(trainer.method)
+        world, rank = acc.num_processes, acc.process_index
+        # Every rank runs the same number of forwards (sharded engines need it): pad with weight 0.
+        per_rank = math.ceil(len(self.rows) / world)
+        sums: Optional[torch.Tensor] = None
+        keys: list[str] = []
+        with evaluation_mode(trainer) as student:
+            table = student.table
+            device = acc.device
+            for slot in range(rank, per_rank * world, world):
+                real = slot < len(self.rows)
+                row = self.rows[slot] if real else self.rows[0]
+                item = self.dataset[(row, 0, 0)]
+                latents = student.normalize_latents(item["vae_latent"][None].to(device, torch.float32))
+                # Fixed noise per clip, drawn on the CPU: the same numbers on any device and rank count.
+                g = torch.Generator().manual_seed(sample_generator_seed(self.seed, 0, row))
+                noise = torch.randn(latents.shape, generator=g, dtype=torch.float32).to(device)
+                tb = TrainingBatch(
+                    encoder_hidden_states=item["text_embedding"][None].to(device),
+                    encoder_attention_mask=item["text_attention_mask"][None].to(device),
+                )
+                evals = self._evaluations(table, latents.shape[2], chunk_size)
+                if sums is None:
+                    keys = [k for k, _ in evals]
+                    sums = torch.zeros(len(evals), dtype=torch.float64, device=device)
+                for j, (_, idx) in enumerate(evals):
+                    idx = idx.to(device)[None]  # [1] or [1, T]
+                    sigmas, timesteps = table.sigmas_at(idx), table.timesteps_at(idx)
+                    if chunk_size is None:
+                        sigmas, timesteps = sigmas[0], timesteps[0]
+                    noisy = table.add_noise(latents, noise, sigmas)
+                    pred = student.predict_noise(noisy, timesteps, tb, conditional=True)
+                    loss = flow_matching_loss(
+                        pred, latents, noisy, noise, sigmas, precondition_outputs=self.precondition
+                    )
+                    if real:
+                        sums[j] += loss.double()
+        assert sums is not None  # every rank has per_rank >= 1 slots (the held-out set is never empty)
+        total = acc.reduce(sums, reduction="sum") if world > 1 else sums
+        means = (total / len(self.rows)).tolist()
+        out = dict(zip(keys, means))
+        bucket_keys = [k for k in keys if k.startswith("heldout/sigma_")]
+        out["heldout/loss"] = float(np.mean([out[k] for k in bucket_keys]))
+        return out
+
+    def _run(self, trainer: Any, step: int) -> None:
+        t0 = time.perf_counter()
+        logs = self.evaluate(trainer)
+        logs["heldout/time_s"] = time.perf_counter() - t0
+        loss = logs["heldout/loss"]
+        if self.first is None:
+            self.first = (loss, step)
+        self.last = (loss, step)
+        if self.best is None or loss < self.best[0]:
+            self.best = (loss, step)
+        trainer.log_metrics(logs, step)
+        if trainer.accelerator.is_main_process:
+            logger.info(
+                "step %d held-out loss %.4f (%s)",
+                step,
+                loss,
+                ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in logs.items() if k not in ("heldout/loss", "heldout/time_s")),
+            )
+
+    def on_train_start(self, trainer: Any) -> None:
+        if trainer.accelerator.is_main_process:
+            logger.info("held-out loss on %d clip(s) of %s, sigma buckets %s", len(self.rows), self.source, self.buckets)
+        if self.at_start:
+            self._run(trainer, trainer.step)
+
+    def on_step_end(self, trainer: Any, step: int, logs: dict) -> None:
+        if _is_due(trainer, step, self.every):
+            self._run(trainer, step)
+
+    def summary(self) -> dict[str, Any]:
+        if self.best is None:
+            return {}
+        return {
+            "first_heldout_loss": self.first[0],
+            "last_heldout_loss": self.last[0],
+            "best_heldout_loss": self.best[0],
+            "best_heldout_step": self.best[1],
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Sample videos
+# --------------------------------------------------------------------------------------------
+
+
+def sampling_model_source(cfg: Any, data_path: Optional[str]) -> Optional[str]:
+    """Where the VAE and text encoder come from (see the module docstring), or None."""
+    from fv_accel.data.schema import read_dataset_info
+
+    val, st = cfg.callbacks.validation, cfg.models.student
+    if val.model_from:
+        return val.model_from
+    if st.init_from:
+        return st.init_from
+    if data_path:
+        return read_dataset_info(data_path).get("model")
+    return None
+
+
+def default_video_size(data_path: str, spatial: int = 8, temporal: int = 4) -> tuple[int, int, int]:
+    """(height, width, frames) of the first training clip, from its latent shape."""
+    from fv_accel.data.loader import LatentDataset
+
+    c, t, h, w = LatentDataset(data_path).latent_shapes[0]
+    return h * spatial, w * spatial, (t - 1) * temporal + 1
+
+
+def gif_bytes(frames: np.ndarray, fps: float) -> bytes:
+    """uint8 [F, H, W, 3] as an animated GIF (TensorBoard shows GIF image summaries as videos)."""
+    import io
+
+    from PIL import Image
+
+    images = [Image.fromarray(f) for f in frames]
+    buf = io.BytesIO()
+    images[0].save(
+        buf, format="GIF", save_all=True, append_images=images[1:], duration=max(1, int(1000 / fps)), loop=0
+    )
+    return buf.getvalue()
+
+
+def log_videos(accelerator: Any, videos: list[tuple[str, np.ndarray, Path]], step: int, fps: float) -> None:
+    """Send videos to the trackers: TensorBoard (GIF image summary) and W&B (the mp4 files)."""
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            writer = tracker.writer
+            for name, frames, _ in videos:
+                image = Summary.Image(
+                    height=int(frames.shape[1]),
+                    width=int(frames.shape[2]),
+                    colorspace=3,
+                    encoded_image_string=gif_bytes(frames, fps),
+                )
+                summary = Summary(value=[Summary.Value(tag=f"validation/{name}", image=image)])
+                writer._get_file_writer().add_summary(summary, step)
+            writer.flush()
+        elif tracker.name == "wandb":
+            import wandb
+
+            tracker.run.log(
+                {f"validation/{name}": wandb.Video(str(path), format="mp4") for name, _, path in videos}, step=step
+            )
+
+
+class VideoSamplingCallback(TrainerCallback):
+    """Sample videos from the live student (EMA weights when available) at validation steps."""
+
+    def __init__(self, cfg: Any, data_path: Optional[str], ema: Any = None):
+        val = cfg.callbacks.validation
+        self.cfg = cfg
+        self.val = val
+        self.ema = ema if val.use_ema else None
+        entries: list[Union[str, dict]] = list(val.prompts)
+        where = "callbacks.validation.prompts"
+        if val.prompt_file:
+            entries += read_prompt_file(val.prompt_file)
+            where = f"{where} + {val.prompt_file}"
+        height, width, frames = val.height, val.width, val.num_frames
+        if None in (height, width, frames) and data_path:
+            dh, dw, df = default_video_size(data_path)
+            height, width, frames = height or dh, width or dw, frames or df
+        defaults = dict(
+            negative_prompt=val.negative_prompt,
+            height=height,
+            width=width,
+            num_frames=frames,
+            sampling_steps=val.sampling_steps,
+            guidance_scale=val.guidance_scale,
+            seed=val.seed,
+        )
+        self.prompts = resolve_prompts(entries, defaults, where)
+        self.model_source = sampling_model_source(cfg, data_path)
+        if self.prompts and not self.model_source:
+            # Held-out loss still works; only the videos need a VAE and a text encoder.
+            logger.warning(
+                "callbacks.validation: no sample videos: no VAE/text encoder to sample with (the student has "
+                "no init_from and the dataset records no model); set callbacks.validation.model_from"
+            )
+            self.prompts = []
+        self.vae = None
+        self.embeddings: dict[str, torch.Tensor] = {}
+        self.written: list[Path] = []
+
+    def _samples_here(self, acc: Any) -> bool:
+        # Sharded weights need every rank in each forward; otherwise the main process samples alone.
+        return acc.is_main_process or is_sharded(acc)
+
+    def _load(self, trainer: Any) -> None:
+        """Load the VAE (kept on the CPU between validations) and encode every prompt once."""
+        from diffusers import AutoencoderKLWan, WanPipeline
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        from fv_accel.data.loader import TEXT_MAX_LENGTH
+
+        acc = trainer.accelerator
+        source = self.model_source
+        revision = self.cfg.models.student.revision if source == self.cfg.models.student.init_from else None
+        text_dtype = torch.bfloat16 if acc.device.type == "cuda" else torch.float32
+        try:
+            vae = AutoencoderKLWan.from_pretrained(source, subfolder="vae", revision=revision, torch_dtype=torch.float32)
+            text_encoder = UMT5EncoderModel.from_pretrained(
+                source, subfolder="text_encoder", revision=revision, dtype=text_dtype
+            )
+            tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
+        except (OSError, ValueError) as err:
+            raise OSError(
+                f"callbacks.validation: could not load the VAE/text encoder/tokenizer of '{source}' for sampling "
+                f"({err.__class__.__name__}: {str(err).splitlines()[0] if str(err) else ''}); set "
+                "callbacks.validation.model_from to a model folder in the diffusers layout"
+            ) from None
+        text_encoder.to(acc.device).eval().requires_grad_(False)
+        pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=None, transformer=None)
+        texts = sorted({p.prompt for p in self.prompts} | {p.negative_prompt for p in self.prompts})
+        with torch.no_grad():
+            for text in texts:
+                embeds, _ = pipe.encode_prompt(
+                    text,
+                    do_classifier_free_guidance=False,
+                    max_sequence_length=TEXT_MAX_LENGTH,
+                    device=acc.device,
+                    dtype=torch.float32,
+                )
+                self.embeddings[text] = embeds.float().cpu()
+        del pipe, text_encoder, tokenizer
+        self.vae = vae.eval().requires_grad_(False)
+
+    def on_train_start(self, trainer: Any) -> None:
+        if not self.prompts:
+            return
+        if self._samples_here(trainer.accelerator):
+            self._load(trainer)
+        if self.val.at_start:
+            self.sample(trainer, trainer.step)
+
+    def on_step_end(self, trainer: Any, step: int, logs: dict) -> None:
+        if self.prompts and _is_due(trainer, step, self.val.every_steps):
+            self.sample(trainer, step)
+
+    def _sample_latents(self, trainer: Any, student: Any, p: SamplePrompt) -> torch.Tensor:
+        from fv_accel.models.base import TrainingBatch
+        from fv_accel.sampling import latent_frames, sample_diffusion_forcing, sample_wan_pipeline
+
+        device = trainer.accelerator.device
+        text = self.embeddings[p.prompt].to(device)
+        negative = self.embeddings[p.negative_prompt].to(device)
+        # The validation's own generator, on the CPU: never the method's, and device-independent.
+        generator = torch.Generator().manual_seed(p.seed)
+        chunk_size = chunk_size_of(trainer.method)
+        spatial = int(getattr(self.vae.config, "scale_factor_spatial", 8))
+        temporal = int(getattr(self.vae.config, "scale_factor_temporal", 4))
+        shape = (1, student.in_channels, latent_frames(p.num_frames, temporal), p.height // spatial, p.width // spatial)
+        if chunk_size is None and getattr(student, "kind", None) == "wan":
+            return sample_wan_pipeline(
+                student.transformer,
+                self.vae,
+                text,
+                negative_prompt_embeds=negative,
+                height=p.height,
+                width=p.width,
+                num_frames=p.num_frames,
+                num_inference_steps=p.sampling_steps,
+                guidance_scale=p.guidance_scale,
+                shift=self.val.sampling_flow_shift,
+                generator=generator,
+            )
+        noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
+
+        def predict(x: torch.Tensor, t: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+            return student.predict_noise(x, t, TrainingBatch(encoder_hidden_states=emb))
+
+        # Without a chunk size (a fine-tuned non-Wan student) the whole clip is one chunk.
+        return sample_diffusion_forcing(
+            predict,
+            noise,
+            text,
+            chunk_size=chunk_size or shape[2],
+            num_inference_steps=p.sampling_steps,
+            shift=self.val.sampling_flow_shift,
+            guidance_scale=p.guidance_scale,
+            negative_text=negative,
+            ar_step=self.val.ar_step if chunk_size else 0,
+            context_noise=self.val.context_noise,
+            generator=generator,
+        )
+
+    def sample(self, trainer: Any, step: int) -> list[Path]:
+        """Render every prompt; the main process writes mp4s and logs them. Returns the paths."""
+        from fv_accel.data.video import write_video
+        from fv_accel.sampling import decode_latents
+
+        acc = trainer.accelerator
+        paths: list[Path] = []
+        if self._samples_here(acc):
+            t0 = time.perf_counter()
+            out_dir = Path(trainer.output_dir) / "samples" / f"step-{step}"
+            videos = []
+            ema = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+            with evaluation_mode(trainer) as student, ema:
+                self.vae.to(acc.device)
+                try:
+                    for p in self.prompts:
+                        latents = self._sample_latents(trainer, student, p)
+                        frames = decode_latents(self.vae, latents, student.latents_mean, student.latents_std)[0]
+                        if acc.is_main_process:
+                            path = write_video(out_dir / f"{p.name}.mp4", frames, fps=self.val.fps)
+                            videos.append((p.name, frames, path))
+                            paths.append(path)
+                finally:
+                    self.vae.to("cpu")
+            if acc.is_main_process:
+                log_videos(acc, videos, step, self.val.fps)
+                trainer.log_metrics({"validation/sampling_time_s": time.perf_counter() - t0}, step)
+                logger.info("step %d: %d sample video(s) in %s", step, len(paths), out_dir)
+        acc.wait_for_everyone()
+        self.written += paths
+        return paths
+
+
+def build_validation_callbacks(
+    cfg: Any, data_path: str, ema: Any = None, accelerator: Any = None
+) -> list[TrainerCallback]:
+    """The held-out-loss and video callbacks the recipe asks for (none when validation is off)."""
+    val = cfg.callbacks.validation
+    if not val.enable:
+        return []
+    callbacks: list[TrainerCallback] = []
+    if val.heldout_fraction > 0 or val.heldout_data_path:
+        callbacks.append(HeldoutLossCallback(cfg, data_path, resolve_heldout_path(cfg, accelerator)))
+    video = VideoSamplingCallback(cfg, data_path, ema=ema)
+    if video.prompts:
+        callbacks.append(video)
+    if not callbacks:
+        logger.warning(
+            "callbacks.validation.enable is true but there is nothing to validate: give prompts / a "
+            "prompt_file, or a heldout_fraction / heldout_data_path"
+        )
+    return callbacks
