@@ -247,7 +247,7 @@ def _wan_module_name(module: str) -> str:
     )
 
 
-def lora_scale_by_module(state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> dict[str, float]:
+def alpha_by_module(state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> dict[str, float]:
     """alpha per adapted module (diffusers module name), honouring peft's alpha_pattern."""
     import re
 
@@ -273,7 +273,7 @@ def to_comfyui(state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> dict
         raise ValueError("the LoRA file has no adapter metadata: its alpha is unknown, cannot write alpha keys")
     if metadata.get("use_rslora") or metadata.get("use_dora"):
         raise ValueError("rsLoRA/DoRA adapters have no ComfyUI LoRA layout here")
-    alphas = lora_scale_by_module(state, metadata)
+    alphas = alpha_by_module(state, metadata)
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         for part, new in ((".lora_A.weight", ".lora_down.weight"), (".lora_B.weight", ".lora_up.weight")):
