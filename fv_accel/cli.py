@@ -23,7 +23,9 @@ def main(method: str, argv: Optional[list[str]] = None) -> int:
 
     try:
         run = build_from_config(cfg)
-    except (ConfigError, CheckpointError) as err:
+    except (ConfigError, CheckpointError, ValueError, OSError) as err:
+        # Building reads the recipe's inputs (data, model, checkpoint): its errors are input
+        # errors, each one line naming the file/key (build_from_config from Python keeps the traceback).
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:

@@ -119,6 +119,8 @@ class Trainer:
         loss_bad = ~torch.isfinite(loss.detach().float().reshape(()))
         # Under fp16 the grad scaler owns overflowing gradients (it skips the step and lowers the scale).
         norm_checked = grad_norm is not None and acc.scaler is None
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the total norm as a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
         norm = torch.as_tensor(grad_norm if norm_checked else 0.0, dtype=torch.float32, device=loss_bad.device)
         flags = torch.stack([loss_bad.float(), (~torch.isfinite(norm)).float()]).to(acc.device)
         if acc.num_processes > 1:

@@ -107,7 +107,7 @@ def test_latents_with_the_wrong_channel_count(tmp_path):
     assert text.startswith(f"{data} row 0:")
 
 
-def test_empty_dataset(tmp_path):
+def test_empty_dataset(tmp_path, capsys):
     import datasets
 
     from fv_accel.data.schema import make_row
@@ -116,7 +116,14 @@ def test_empty_dataset(tmp_path):
     empty.mkdir()
     row = make_row(sample_id="x", latent=torch.zeros(16, 3, 4, 4), text_embedding=torch.zeros(7, 32), caption="x")
     datasets.Dataset.from_list([row]).select([]).to_parquet(str(empty / "data.parquet"))
-    _fails("finetune", small_overrides(tmp_path / "out", str(empty)), ValueError, f"{empty}: the dataset is empty (0 rows in 1 Parquet file(s))")
+    message = f"{empty}: the dataset is empty (0 rows in 1 Parquet file(s))"
+    _fails("finetune", small_overrides(tmp_path / "out", str(empty)), ValueError, message)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(load_config(default_recipe("finetune"), small_overrides(tmp_path / "out", str(empty))).to_yaml())
+    capsys.readouterr()
+    assert cli_main("finetune", ["--config", str(recipe)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
+    assert not (tmp_path / "out").exists()
     no_files = tmp_path / "no_files"
     no_files.mkdir()
     _fails(

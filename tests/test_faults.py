@@ -232,6 +232,30 @@ def test_checkpoints_total_limit_keeps_the_newest(tmp_path, latent_data):
 # ---- signals ---------------------------------------------------------------------------------
 
 
+def _launch(script: str, recipe: Path, log_path: Path, nproc: int) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    accelerate = Path(sys.executable).with_name("accelerate")
+    multi = ["--multi_gpu"] if nproc > 1 else []
+    cmd = [str(accelerate), "launch", *multi, "--num_processes", str(nproc), "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", script, "--config", str(recipe)]
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_for_steps(launcher: subprocess.Popen, out: Path, steps: int, log_path: Path) -> None:
+    metrics = out / "logs" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and launcher.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the run did not reach step {steps}:\n{log_path.read_text()[-3000:]}")
+
+
+def _logged_losses(out: Path) -> dict[int, float]:
+    return {rec["step"]: rec["loss"] for rec in map(json.loads, (out / "logs" / "metrics.jsonl").read_text().splitlines())}
+
+
 def test_second_signal_exits_at_once_but_a_relayed_copy_does_not(monkeypatch, capfd, tmp_path):
     cfg = load_config(default_recipe("finetune"), {"training.checkpoint.output_dir": str(tmp_path)})
     fake_run = types.SimpleNamespace(accelerator=None, config=cfg, method=None, dataloader=None, start_step=0, callbacks=[])
@@ -262,24 +286,13 @@ def test_sigterm_to_a_launched_run_saves_exits_0_and_resumes(tmp_path, latent_da
     over = small_overrides(out, latent_data, **{"training.loop.max_train_steps": 1000, "training.tracker.log_every": 1})
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(load_config(default_recipe("finetune"), over).to_yaml())
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
     log_path = tmp_path / "launch.log"
-    accelerate = Path(sys.executable).with_name("accelerate")
-    cmd = [str(accelerate), "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "train_finetune.py", "--config", str(recipe)]
-    with open(log_path, "w") as log:
-        launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        metrics = out / "logs" / "metrics.jsonl"
-        deadline = time.time() + 240
-        while time.time() < deadline and launcher.poll() is None:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.2)
-        assert launcher.poll() is None, log_path.read_text()[-3000:]
-        trainers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "train_finetune.py" in " ".join(p.cmdline())]
-        assert len(trainers) == 1
-        trainers[0].send_signal(signal.SIGTERM)  # what a preemption notice does to the training process
-        rc = launcher.wait(timeout=240)
+    launcher = _launch("train_finetune.py", recipe, log_path, nproc=1)
+    _wait_for_steps(launcher, out, 3, log_path)
+    trainers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "train_finetune.py" in " ".join(p.cmdline())]
+    assert len(trainers) == 1
+    trainers[0].send_signal(signal.SIGTERM)  # what a preemption notice does to the training process
+    rc = launcher.wait(timeout=240)
     text = log_path.read_text()
     assert rc == 0, text[-3000:]
     m = re.search(r"stopped by SIGTERM after step (\d+): checkpoint saved in (\S+); continue with --resume_from_checkpoint latest", text)
@@ -297,3 +310,59 @@ def test_sigterm_to_a_launched_run_saves_exits_0_and_resumes(tmp_path, latent_da
     trainer = Trainer(resumed)
     summary = trainer.run()
     assert summary["final_step"] == step + 2 and [h["step"] for h in trainer.history] == [step + 1, step + 2]
+
+
+@pytest.mark.multiproc
+def test_sigterm_to_one_rank_stops_both_and_their_checkpoints_replay_exactly(tmp_path, latent_data):
+    """Two processes: SIGTERM reaches rank 1 only; both stop at the same step with a checkpoint and
+    exit 0. A second two-process run resumed from an earlier checkpoint of the first replays its
+    last steps exactly (every rank's RNG and data position restored): same logged losses, same weights."""
+    import psutil
+
+    out_a, out_b = tmp_path / "a", tmp_path / "b"
+    common = {"training.loop.gradient_accumulation_steps": 1, "training.tracker.log_every": 1}
+    recipe_a = tmp_path / "a.yaml"
+    over_a = small_overrides(
+        out_a, latent_data, **common,
+        **{"training.loop.max_train_steps": 1000, "training.checkpoint.training_state_checkpointing_steps": 1},
+    )
+    recipe_a.write_text(load_config(default_recipe("dfsft"), over_a).to_yaml())
+    log_a = tmp_path / "a.log"
+    launcher = _launch("train_dfsft.py", recipe_a, log_a, nproc=2)
+    _wait_for_steps(launcher, out_a, 4, log_a)
+    workers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "train_dfsft.py" in " ".join(p.cmdline())]
+    by_rank = {int(p.environ()["RANK"]): p for p in workers}
+    assert sorted(by_rank) == [0, 1]
+    by_rank[1].send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=240) == 0, log_a.read_text()[-3000:]
+    text = log_a.read_text()
+    m = re.search(r"stopped by (?:SIGTERM|another rank's signal) after step (\d+): checkpoint saved in (\S+);", text)
+    assert m, text[-3000:]
+    step = int(m.group(1))
+    ckpt = out_a / f"checkpoint-{step}"
+    assert Path(m.group(2)) == ckpt == latest_checkpoint(out_a)
+    assert read_metadata(ckpt)["world_size"] == 2
+    gens = [load_file(str(ckpt / f"fv_rank_{r}.safetensors"))["rng/method_generator"] for r in (0, 1)]
+    assert not torch.equal(gens[0], gens[1])  # each rank's own stream (seed + rank)
+    logged_a = _logged_losses(out_a)
+    assert sorted(logged_a) == list(range(1, step + 1))
+
+    # Replay steps step-1 and step from checkpoint step-2, in a fresh output folder.
+    recipe_b = tmp_path / "b.yaml"
+    over_b = small_overrides(
+        out_b, latent_data, **common,
+        **{
+            "training.loop.max_train_steps": step,
+            "training.checkpoint.resume_from_checkpoint": str(out_a / f"checkpoint-{step - 2}"),
+            "training.checkpoint.save_final": True,
+        },
+    )
+    recipe_b.write_text(load_config(default_recipe("dfsft"), over_b).to_yaml())
+    log_b = tmp_path / "b.log"
+    assert _launch("train_dfsft.py", recipe_b, log_b, nproc=2).wait(timeout=300) == 0, log_b.read_text()[-3000:]
+    logged_b = _logged_losses(out_b)
+    assert logged_b == {step - 1: logged_a[step - 1], step: logged_a[step]}
+    final = load_file(str(out_b / "transformer" / "diffusion_pytorch_model.safetensors"))
+    saved = {k.removeprefix("module."): v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    assert final.keys() == saved.keys()
+    assert all(torch.equal(final[k], saved[k]) for k in final)
