@@ -48,7 +48,7 @@ def build_accelerator(cfg: RunConfig):
         # The launch config's choice wins; otherwise bf16 on an accelerator, fp32 on CPU.
         mp = None if os.environ.get("ACCELERATE_MIXED_PRECISION") else ("bf16" if torch.cuda.is_available() else "no")
     trackers = [t for t in cfg.training.tracker.trackers if t != "none"]
-    return Accelerator(
+    acc = Accelerator(
         gradient_accumulation_steps=cfg.training.loop.gradient_accumulation_steps,
         mixed_precision=mp,
         log_with=trackers or None,
@@ -56,6 +56,113 @@ def build_accelerator(cfg: RunConfig):
         # The LR schedule counts optimizer steps, whatever the number of processes.
         step_scheduler_with_optimizer=False,
     )
+    check_gradient_accumulation(acc, cfg)
+    return acc
+
+
+def check_gradient_accumulation(acc, cfg: RunConfig) -> None:
+    """The recipe's accumulation is the one truth: the loader cuts each step into
+    `batch * processes * accumulation` samples, so an engine counting differently would desync.
+    (`accelerate launch --gradient_accumulation_steps` or a DeepSpeed config value overrides the
+    Accelerator's through ACCELERATE_GRADIENT_ACCUMULATION_STEPS.)"""
+    k = cfg.training.loop.gradient_accumulation_steps
+    if acc.gradient_accumulation_steps != k:
+        raise ValueError(
+            f"training.loop.gradient_accumulation_steps is {k} but the launch configuration sets "
+            f"{acc.gradient_accumulation_steps} (ACCELERATE_GRADIENT_ACCUMULATION_STEPS / "
+            f"deepspeed_config.gradient_accumulation_steps / --gradient_accumulation_steps): remove it "
+            f"there (or set it to auto); the recipe decides"
+        )
+
+
+# DeepSpeed config keys the recipe decides, with the recipe key each one comes from.
+DEEPSPEED_RECIPE_KEYS = {
+    "train_micro_batch_size_per_gpu": "training.data.train_batch_size",
+    "gradient_accumulation_steps": "training.loop.gradient_accumulation_steps",
+    "gradient_clipping": "callbacks.grad_clip.max_grad_norm",
+}
+
+
+def configure_deepspeed(ds_config: dict, cfg: RunConfig) -> dict:
+    """Fill the DeepSpeed config (in place) from the recipe before `prepare`.
+
+    DeepSpeed clips and accumulates inside its engine (`accelerator.backward` runs `engine.step`),
+    so the recipe's values must reach its config; the micro-batch size must too, because our loader
+    is not a DataLoader that Accelerate could read it from. A value the DeepSpeed config already
+    sets differently is an error naming both places, not a silent override.
+    """
+    wanted = {
+        "train_micro_batch_size_per_gpu": cfg.training.data.train_batch_size,
+        "gradient_accumulation_steps": cfg.training.loop.gradient_accumulation_steps,
+        "gradient_clipping": float(cfg.callbacks.grad_clip.max_grad_norm),
+    }
+    for key, value in wanted.items():
+        current = ds_config.get(key, "auto")
+        if current in ("auto", None):
+            ds_config[key] = value
+        elif float(current) != float(value):
+            raise ValueError(
+                f"the DeepSpeed config sets {key}={current!r} but the recipe's {DEEPSPEED_RECIPE_KEYS[key]} "
+                f"is {value!r}: set it to auto (or remove it) in the DeepSpeed config; the recipe decides"
+            )
+    for section, recipe_key in (("optimizer", "training.optimizer"), ("scheduler", "training.optimizer.lr_scheduler")):
+        if section in ds_config:
+            raise ValueError(
+                f"the DeepSpeed config has an '{section}' section, but the optimizer and LR schedule come "
+                f"from the recipe ({recipe_key}) and are handed to DeepSpeed by Accelerate: remove it"
+            )
+    zero = ds_config.setdefault("zero_optimization", {})
+    if int(zero.get("stage", 0)) == 3 and cfg.training.checkpoint.save_final:
+        if zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
+            # Without it ZeRO-3 cannot hand over a full state dict for the final diffusers folder.
+            zero["stage3_gather_16bit_weights_on_model_save"] = True
+            logger.info("ZeRO-3: gathering 16-bit weights for the final save (stage3_gather_16bit_weights_on_model_save)")
+    return ds_config
+
+
+def configure_fsdp2(plugin, mixed_precision: str, student) -> None:
+    """FSDP2 settings that follow from the run: low-precision compute with fp32 gradient
+    reduction, and one activation-checkpointing mechanism, not two."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    policy = plugin.mixed_precision_policy
+    if low is not None and (policy is None or getattr(policy, "reduce_dtype", None) in (None, low)):
+        # Accelerate's default reduces gradients in bf16 too; sums over many ranks want fp32.
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    model = student.transformer
+    if plugin.activation_checkpointing and not plugin.activation_checkpointing_offload:
+        # `fsdp_activation_checkpointing` is served by diffusers' own per-block checkpointing
+        # (torch.utils.checkpoint, non-reentrant): the same recompute of each transformer block,
+        # without Accelerate's checkpoint wrapper, which renames every block's modules
+        # (`blocks.0._checkpoint_wrapped_module.attn1...`) and so hides the LoRA layers from peft.
+        plugin.activation_checkpointing = False
+        model.enable_gradient_checkpointing()
+        logger.info("FSDP activation checkpointing: diffusers' per-block gradient checkpointing")
+    elif plugin.activation_checkpointing:
+        # Offloading the checkpointed activations needs Accelerate's wrapper.
+        if getattr(student, "lora_enabled", False):
+            raise ValueError(
+                "fsdp_activation_checkpointing_offload does not work with models.student.lora (its "
+                "checkpoint wrapper hides the LoRA layers): set fsdp_activation_checkpointing_offload: false"
+            )
+        if getattr(model, "gradient_checkpointing", False):
+            model.disable_gradient_checkpointing()  # never recompute twice
+
+
+def configure_engine(acc, cfg: RunConfig, student) -> None:
+    """Fit the engine `accelerate launch` chose to the recipe, before `prepare` (DDP needs nothing)."""
+    from accelerate.utils import DistributedType
+
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        configure_deepspeed(acc.state.deepspeed_plugin.deepspeed_config, cfg)
+    elif acc.distributed_type == DistributedType.FSDP:
+        if not acc.is_fsdp2:
+            raise ValueError(
+                "FSDP1 is not supported: set fsdp_config.fsdp_version: 2 in the accelerate config "
+                "(see accelerate_configs/fsdp2.yaml)"
+            )
+        configure_fsdp2(acc.state.fsdp_plugin, acc.mixed_precision, student)
 
 
 def _flat_hparams(cfg: RunConfig) -> dict:
@@ -194,6 +301,9 @@ def build_from_config(
             acc.num_processes,
             acc.mixed_precision,
         )
+    configure_engine(acc, cfg, student)
+    # One call: FSDP2 swaps the optimizer's parameters for the sharded ones, and DeepSpeed takes the
+    # optimizer (and runs its step inside `accelerator.backward`).
     student.transformer, method.optimizer, method.lr_scheduler = acc.prepare(
         student.transformer, method.optimizer, method.lr_scheduler
     )

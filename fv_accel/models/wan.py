@@ -310,8 +310,14 @@ class WanStudent(ModelBase):
         if accelerator.is_main_process:
             unwrapped = accelerator.unwrap_model(self.transformer)
             if state_dict is not None:
-                # Rebuild a plain module on CPU from the gathered full state dict, then save it.
-                unwrapped = type(unwrapped).from_config(unwrapped.config)
-                unwrapped.load_state_dict(state_dict)
+                # Rebuild a plain module from the gathered full state dict, then save it. Built
+                # empty and filled by assignment: no random init, no second copy of a large model.
+                # The class comes from the kind, not type(): FSDP2 swaps in an FSDP<cls> subclass.
+                from accelerate import init_empty_weights
+
+                with init_empty_weights():
+                    plain = TRANSFORMER_CLASSES[self.kind].from_config(unwrapped.config)
+                plain.load_state_dict(state_dict, strict=True, assign=True)
+                unwrapped = plain
             unwrapped.save_pretrained(out, safe_serialization=True)
         accelerator.wait_for_everyone()

@@ -1,0 +1,149 @@
+"""Runs recipes through `build_from_config` + `Trainer` and records, per rank, what
+tests/test_distributed.py checks. Launched by the tests as
+
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/<engine>.yaml \
+        --num_processes 2 tests/dist_driver.py SPEC.json
+
+and also imported by them for the single-process runs. SPEC is a JSON list of runs, each
+`{"name", "recipe", "overrides", "engine"}`; run `name` writes `<out_root>/<name>/rank<r>.json`
+(world size, engine, per-step local loss and sample indices, logged losses) and, for unsharded
+engines, `rank<r>.safetensors` (that rank's final weights).
+
+`engine: "fsdp2"` is the CPU stand-in for a GPU FSDP2 launch: `accelerate launch` with
+accelerate_configs/fsdp2.yaml exports the FSDP settings to the environment, but on CPU Accelerate
+falls back to MULTI_CPU; the run is switched to FSDP with a plugin read from that environment
+before `build_from_config`, so Accelerate's own `_prepare_fsdp2` (torch `fully_shard`), clipping,
+`save_state` (torch.distributed.checkpoint) and `get_state_dict` paths run over gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def switch_to_fsdp2(acc) -> None:
+    """Make a MULTI_CPU Accelerator use FSDP2 with the launch config's FSDP settings."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        raise RuntimeError("engine fsdp2 needs a launch with an FSDP accelerate config (ACCELERATE_USE_FSDP)")
+    plugin = FullyShardedDataParallelPlugin()  # reads FSDP_* as exported by `accelerate launch`
+    # AcceleratorState re-reads PartialState's shared dict on every instantiation: switch both.
+    PartialState().distributed_type = DistributedType.FSDP
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin
+
+
+def keep_process_group(acc) -> None:
+    """Several runs share one launch: `end_training` finishes the trackers but leaves the process
+    group up (bringing a static-rendezvous group up a second time hangs)."""
+
+    def end_training() -> None:
+        for tracker in acc.trackers:
+            tracker.finish()
+
+    acc.end_training = end_training
+
+
+def reset_accelerate() -> None:
+    """Forget the previous run's Accelerator; the process group stays up for the next one."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def save_weights(module: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in module.state_dict().items()}, str(path))
+
+
+def run_one(spec: dict, out_root: Path) -> dict:
+    from fv_accel.build import build_accelerator, build_from_config
+    from fv_accel.config import load_config
+    from fv_accel.trainer import Trainer
+
+    cfg = load_config(str(REPO / spec["recipe"]), spec.get("overrides") or {})
+    acc = build_accelerator(cfg)
+    if spec.get("engine") == "fsdp2":
+        switch_to_fsdp2(acc)
+    keep_process_group(acc)
+    run = build_from_config(cfg, accelerator=acc)
+    method = run.method
+    steps: dict[int, dict] = {}
+    original_step = method.single_train_step
+
+    def recording_step(batch, iteration):
+        loss_map, outputs, metrics = original_step(batch, iteration)
+        entry = steps.setdefault(int(iteration), {"losses": [], "samples": []})
+        entry["losses"].append(float(loss_map["total_loss"].detach()))
+        entry["samples"] += [int(i) for i in batch["sample_index"]]
+        return loss_map, outputs, metrics
+
+    method.single_train_step = recording_step
+    model = method.student.transformer
+    param = next(model.parameters())
+    blocks = getattr(acc.unwrap_model(model), "blocks", [])
+    rank = acc.process_index
+    out = out_root / spec["name"]
+    out.mkdir(parents=True, exist_ok=True)
+    sharded = bool(getattr(acc, "is_fsdp2", False))
+    if not sharded and rank == 0:
+        save_weights(acc.unwrap_model(model), out / "init.safetensors")
+    trainer = Trainer(run)
+    trainer.run()
+
+    record = {
+        "name": spec["name"],
+        "rank": rank,
+        "world_size": acc.num_processes,
+        "distributed_type": str(acc.distributed_type),
+        "is_fsdp2": sharded,
+        "param_type": type(param).__name__,
+        "checkpoint_wrapped_blocks": sum(hasattr(b, "_checkpoint_wrapped_module") for b in blocks),
+        "diffusers_gradient_checkpointing": bool(getattr(acc.unwrap_model(model), "gradient_checkpointing", False)),
+        "start_step": run.start_step,
+        "steps": [
+            {
+                "step": s,
+                "local_loss": sum(e["losses"]) / len(e["losses"]),
+                "micro_losses": e["losses"],
+                "samples": e["samples"],
+            }
+            for s, e in sorted(steps.items())
+        ],
+        "logged": [{"step": h["step"], "loss": h["loss"]} for h in trainer.history],
+        "output_dir": cfg.training.checkpoint.output_dir,
+    }
+    if not sharded:
+        save_weights(acc.unwrap_model(model), out / f"rank{rank}.safetensors")
+    (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    out_root = Path(spec["out_root"])
+    for i, run_spec in enumerate(spec["runs"]):
+        if i:
+            reset_accelerate()
+        run_one(run_spec, out_root)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1])

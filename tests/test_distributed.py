@@ -1,0 +1,447 @@
+"""Scale-out on Accelerate's engines: results that do not depend on the process count.
+
+The multi-process tests launch real `accelerate launch` runs on two CPU processes (gloo) through
+tests/dist_driver.py, which records per rank the world size, the local losses, the samples seen
+and the final weights. DDP runs with accelerate_configs/cpu_2proc.yaml; FSDP2 with
+accelerate_configs/fsdp2.yaml through Accelerate's own FSDP2 path (torch `fully_shard`), which the
+driver enables on CPU (see its docstring). DeepSpeed needs GPUs: its config handling is tested
+here in-process; the engine itself only by benchmarks/gpu_check.sh.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+DRIVER = REPO / "tests" / "dist_driver.py"
+ACCELERATE = Path(sys.executable).parent / "accelerate"
+RECIPES = {"finetune": "configs/tiny_finetune.yaml", "dfsft": "configs/tiny_dfsft.yaml"}
+STEPS = 3
+WEIGHT_TOL = 1e-5
+LORA = {"training.data.train_batch_size": 1, "models.student.lora.enable": True}
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def _driver():
+    spec = importlib.util.spec_from_file_location("fv_dist_driver", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def overrides(out_dir: Path, **extra) -> dict:
+    """`noise_rng: sample`, 3 steps at a constant LR (updates of ~1e-3 per step, so a 1e-5 match
+    means the same gradients), no sample videos.
+
+    Adam's eps is raised to 1e-5: a batch of 2 in one forward and two batches of 1 give the same
+    gradients up to fp32 rounding (~2e-9 here), but with eps=1e-8 Adam divides that rounding by
+    gradients of ~1e-9 (cross-attention weights against zero-padded text) and turns it into weight
+    differences of ~5e-5. With 1e-5 the rounding stays below 1e-6 in the weights, while gradients
+    above eps still move each weight by ~lr per step."""
+    base = {
+        "training.loop.noise_rng": "sample",
+        "training.loop.max_train_steps": STEPS,
+        "training.optimizer.lr_warmup_steps": 0,
+        "training.optimizer.eps": 1e-5,
+        "training.tracker.trackers": ["none"],
+        "training.checkpoint.output_dir": str(out_dir),
+        "training.checkpoint.training_state_checkpointing_steps": 0,
+        "callbacks.validation.enable": False,
+    }
+    base.update(extra)
+    return base
+
+
+def launch(config: str, runs: list[dict], root: Path, *extra_args: str) -> dict[str, list[dict]]:
+    """One two-process `accelerate launch` of the driver; returns each run's per-rank records."""
+    spec_path = root / "spec.json"
+    spec_path.write_text(json.dumps({"out_root": str(root / "records"), "runs": runs}))
+    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / config), "--num_processes", "2", *extra_args]
+    proc = subprocess.run(
+        [*cmd, str(DRIVER), str(spec_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    records = {}
+    for run in runs:
+        folder = root / "records" / run["name"]
+        records[run["name"]] = [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+        # The world size is asserted from inside the run, on both ranks.
+        assert [rec["world_size"] for rec in records[run["name"]]] == [2, 2], run["name"]
+        assert [rec["rank"] for rec in records[run["name"]]] == [0, 1]
+    return records
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def metrics_losses(output_dir: str) -> dict[int, float]:
+    lines = (Path(output_dir) / "logs" / "metrics.jsonl").read_text().splitlines()
+    return {rec["step"]: rec["loss"] for rec in map(json.loads, lines) if "loss" in rec}
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory, tiny_data_path):
+    """Two processes x batch 1 under DDP, both methods; the SFT run also checkpoints at step 2."""
+    root = tmp_path_factory.mktemp("ddp")
+    runs = [
+        {
+            "name": f"{method}_2proc",
+            "recipe": RECIPES[method],
+            "engine": "launch",
+            "overrides": overrides(
+                root / f"{method}_2proc",
+                **{"training.data.train_batch_size": 1},
+                **({"training.checkpoint.training_state_checkpointing_steps": 2} if method == "finetune" else {}),
+            ),
+        }
+        for method in RECIPES
+    ]
+    runs.append(
+        {
+            "name": "dfsft_lora_2proc",
+            "recipe": RECIPES["dfsft"],
+            "engine": "launch",
+            "overrides": overrides(root / "dfsft_lora_2proc", **LORA),
+        }
+    )
+    return root, launch("accelerate_configs/cpu_2proc.yaml", runs, root)
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory, tiny_data_path):
+    """Two processes x batch 1 under FSDP2 (the fsdp2.yaml launch config, activation checkpointing
+    switched on), checkpointing at step 2; then a fresh run resuming that sharded checkpoint."""
+    root = tmp_path_factory.mktemp("fsdp2")
+    common = {"training.data.train_batch_size": 1}
+    runs = [
+        {
+            "name": "finetune_fsdp2",
+            "recipe": RECIPES["finetune"],
+            "engine": "fsdp2",
+            "overrides": overrides(
+                root / "finetune_fsdp2", **common, **{"training.checkpoint.training_state_checkpointing_steps": 2}
+            ),
+        },
+        {
+            "name": "dfsft_lora_fsdp2",
+            "recipe": RECIPES["dfsft"],
+            "engine": "fsdp2",
+            "overrides": overrides(root / "dfsft_lora_fsdp2", **LORA),
+        },
+        {
+            "name": "finetune_fsdp2_resumed",
+            "recipe": RECIPES["finetune"],
+            "engine": "fsdp2",
+            "overrides": overrides(
+                root / "finetune_fsdp2_resumed",
+                **common,
+                **{"training.checkpoint.resume_from_checkpoint": str(root / "finetune_fsdp2" / "checkpoint-2")},
+            ),
+        },
+    ]
+    extra = ("--mixed_precision", "no", "--fsdp_activation_checkpointing", "true")
+    return root, launch("accelerate_configs/fsdp2.yaml", runs, root, *extra)
+
+
+def _single_process(name: str, method: str, root: Path, **extra) -> tuple[dict, dict]:
+    driver = _driver()
+    driver.reset_accelerate()
+    record = driver.run_one(
+        {"name": name, "recipe": RECIPES[method], "engine": "launch", "overrides": overrides(root / name, **extra)},
+        root / "records",
+    )
+    assert record["world_size"] == 1
+    return record, load_file(str(root / "records" / name / "rank0.safetensors"))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("method", list(RECIPES))
+def test_two_processes_equal_one_process(method, ddp_runs, tmp_path):
+    """2 processes x batch 1 == 1 process x batch 2 == 1 process x batch 1 x 2 accumulation steps."""
+    root, records = ddp_runs
+    ranks = records[f"{method}_2proc"]
+    folder = root / "records" / f"{method}_2proc"
+    w_rank0, w_rank1 = (load_file(str(folder / f"rank{r}.safetensors")) for r in (0, 1))
+    assert max_diff(w_rank0, w_rank1) == 0.0  # DDP leaves both ranks with the same weights
+    init = load_file(str(folder / "init.safetensors"))
+    assert max_diff(w_rank0, init) > 1e-3  # the runs did train
+
+    batch2, w_batch2 = _single_process(f"{method}_batch2", method, tmp_path, **{"training.data.train_batch_size": 2})
+    accum2, w_accum2 = _single_process(
+        f"{method}_accum2",
+        method,
+        tmp_path,
+        **{"training.data.train_batch_size": 1, "training.loop.gradient_accumulation_steps": 2},
+    )
+    assert max_diff(w_rank0, w_batch2) < WEIGHT_TOL
+    assert max_diff(w_rank0, w_accum2) < WEIGHT_TOL
+    assert max_diff(w_batch2, w_accum2) < WEIGHT_TOL
+
+    for step in range(STEPS):
+        # The same samples per optimizer step, however the work is split.
+        two_proc = sorted(ranks[0]["steps"][step]["samples"] + ranks[1]["steps"][step]["samples"])
+        assert two_proc == sorted(batch2["steps"][step]["samples"]) == sorted(accum2["steps"][step]["samples"])
+        assert len(set(two_proc)) == 2
+        # Logged loss == mean of the ranks' losses == the one-process loss of the same samples.
+        mean_of_ranks = (ranks[0]["steps"][step]["local_loss"] + ranks[1]["steps"][step]["local_loss"]) / 2
+        assert ranks[0]["logged"][step]["loss"] == pytest.approx(mean_of_ranks, abs=1e-6)
+        assert ranks[1]["logged"][step]["loss"] == pytest.approx(mean_of_ranks, abs=1e-6)
+        assert batch2["logged"][step]["loss"] == pytest.approx(mean_of_ranks, abs=1e-5)
+        assert accum2["logged"][step]["loss"] == pytest.approx(mean_of_ranks, abs=1e-5)
+    # What the main process wrote to logs/metrics.jsonl is that mean too.
+    written = metrics_losses(ranks[0]["output_dir"])
+    assert sorted(written) == [1, 2, 3]
+    for step in range(STEPS):
+        mean_of_ranks = (ranks[0]["steps"][step]["local_loss"] + ranks[1]["steps"][step]["local_loss"]) / 2
+        assert written[step + 1] == pytest.approx(mean_of_ranks, abs=1e-6)
+    # The two ranks' losses differ (different samples): the mean is not one rank's value.
+    assert abs(ranks[0]["steps"][0]["local_loss"] - ranks[1]["steps"][0]["local_loss"]) > 1e-4
+
+
+@pytest.mark.multiproc
+def test_two_process_checkpoint_resumes_in_one_process(ddp_runs, tmp_path):
+    """A checkpoint written by 2 processes x batch 1 resumes in 1 process x batch 2 and ends
+    where the uninterrupted two-process run ended."""
+    root, records = ddp_runs
+    ckpt = root / "finetune_2proc" / "checkpoint-2"
+    assert json.loads((ckpt / "metadata.json").read_text())["world_size"] == 2
+    resumed, w_resumed = _single_process(
+        "finetune_resumed_1proc",
+        "finetune",
+        tmp_path,
+        **{"training.data.train_batch_size": 2, "training.checkpoint.resume_from_checkpoint": str(ckpt)},
+    )
+    assert resumed["start_step"] == 2 and [s["step"] for s in resumed["steps"]] == [2]
+    two_proc = records["finetune_2proc"]
+    assert sorted(resumed["steps"][0]["samples"]) == sorted(
+        two_proc[0]["steps"][2]["samples"] + two_proc[1]["steps"][2]["samples"]
+    )
+    w_two_proc = load_file(str(root / "records" / "finetune_2proc" / "rank0.safetensors"))
+    assert max_diff(w_resumed, w_two_proc) < WEIGHT_TOL
+
+
+@pytest.mark.multiproc
+def test_fsdp2_equals_ddp_and_its_sharded_checkpoint_resumes(fsdp_runs, ddp_runs):
+    root, records = fsdp_runs
+    ddp_root, ddp_records = ddp_runs
+    fsdp = records["finetune_fsdp2"]
+    for rec in fsdp:
+        # Accelerate's FSDP2 (DTensor parameters); the launch's fsdp_activation_checkpointing is
+        # served by diffusers' per-block checkpointing (fv_accel.build.configure_fsdp2), with no
+        # checkpoint wrapper renaming the blocks.
+        assert rec["distributed_type"] == "DistributedType.FSDP" and rec["is_fsdp2"]
+        assert rec["param_type"] == "DTensor"
+        assert rec["checkpoint_wrapped_blocks"] == 0
+        assert rec["diffusers_gradient_checkpointing"] is True
+    # The gathered final weights (one diffusers folder) equal the DDP run's after 3 steps.
+    final = load_file(str(root / "finetune_fsdp2" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    ddp = load_file(str(ddp_root / "records" / "finetune_2proc" / "rank0.safetensors"))
+    assert max_diff(final, ddp) < WEIGHT_TOL
+    for step in range(STEPS):
+        assert fsdp[0]["logged"][step]["loss"] == pytest.approx(ddp_records["finetune_2proc"][0]["logged"][step]["loss"], abs=1e-5)
+
+    # The checkpoint holds each rank's shard (torch.distributed.checkpoint), model and optimizer.
+    ckpt = root / "finetune_fsdp2" / "checkpoint-2"
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert sorted(p.name for p in (ckpt / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (ckpt / "model.safetensors").exists()
+    # A fresh run resumed from it continues to the same weights as the uninterrupted run.
+    resumed = records["finetune_fsdp2_resumed"]
+    assert [rec["start_step"] for rec in resumed] == [2, 2]
+    assert [s["step"] for s in resumed[0]["steps"]] == [2]
+    assert resumed[0]["steps"][0]["samples"] == fsdp[0]["steps"][2]["samples"]
+    resumed_final = load_file(
+        str(root / "finetune_fsdp2_resumed" / "transformer" / "diffusion_pytorch_model.safetensors")
+    )
+    assert max_diff(resumed_final, final) < WEIGHT_TOL
+
+
+@pytest.mark.multiproc
+def test_lora_dfsft_under_fsdp2_equals_ddp(fsdp_runs, ddp_runs):
+    """A LoRA (frozen base, trainable adapter) DFSFT run: the adapter FSDP2 gathers and writes
+    equals the DDP run's, step losses too."""
+    root, records = fsdp_runs
+    ddp_root, ddp_records = ddp_runs
+    assert all(rec["is_fsdp2"] and rec["param_type"] == "DTensor" for rec in records["dfsft_lora_fsdp2"])
+    assert all(rec["diffusers_gradient_checkpointing"] for rec in records["dfsft_lora_fsdp2"])
+    fsdp_lora = load_file(str(root / "dfsft_lora_fsdp2" / LORA_FILE))
+    ddp_lora = load_file(str(ddp_root / "dfsft_lora_2proc" / LORA_FILE))
+    assert fsdp_lora and any(".lora_B." in k for k in fsdp_lora)
+    assert max(v.abs().max().item() for k, v in ddp_lora.items() if ".lora_B." in k) > 1e-3  # it trained
+    assert max_diff(fsdp_lora, ddp_lora) < WEIGHT_TOL
+    for step in range(STEPS):
+        assert records["dfsft_lora_fsdp2"][0]["logged"][step]["loss"] == pytest.approx(
+            ddp_records["dfsft_lora_2proc"][0]["logged"][step]["loss"], abs=1e-5
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configs and engine settings (in-process)
+# ---------------------------------------------------------------------------------------------
+
+
+def launch_env(config: Path, *cli: str) -> dict[str, str]:
+    """The environment `accelerate launch --config_file <config>` gives the training processes."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config), *cli, "train.py"])
+    args, defaults, _ = _validate_launch_command(args)
+    if args.use_deepspeed:
+        # What `launch_command` adds before handing over to the DeepSpeed launcher.
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        return prepare_deepspeed_cmd_env(args)[1]
+    return prepare_multi_gpu_env(args)
+
+
+CONFIGS = sorted(p.name for p in (REPO / "accelerate_configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_accelerate_config_keys_are_accelerate_options(name):
+    """Every key of every launch config is one Accelerate 1.16 knows."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    path = REPO / "accelerate_configs" / name
+    config = load_config_from_file(str(path))  # unknown top-level keys raise here
+    options = {a.dest for a in launch_command_parser()._actions}
+    nested = {**config.fsdp_config, **config.deepspeed_config, **config.parallelism_config}
+    unknown = sorted(k for k in nested if k not in options)
+    assert not unknown, f"{name}: keys Accelerate does not know: {unknown}"
+    assert config.num_processes % config.num_machines == 0
+
+
+@pytest.mark.parametrize("name", ["fsdp2.yaml", "fsdp2_hybrid.yaml"])
+def test_fsdp2_configs_wrap_each_block_and_reduce_in_fp32(name, monkeypatch):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    from fv_accel.build import configure_fsdp2
+    from fv_accel.config import load_config
+    from fv_accel.models import build_student
+
+    env = launch_env(REPO / "accelerate_configs" / name, "--fsdp_activation_checkpointing", "true")
+    assert env["FSDP_VERSION"] == "2" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    if name == "fsdp2_hybrid.yaml":
+        assert (env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "8")
+    for key, value in env.items():
+        if key.startswith("FSDP_"):
+            monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    plugin.set_mixed_precision("bf16")  # what AcceleratorState does under bf16
+    for recipe in ("configs/tiny_finetune.yaml", "configs/tiny_dfsft.yaml"):
+        for model_class in ("wan", "skyreels_v2"):
+            cfg = load_config(REPO / recipe, {"models.student.model_class": model_class})
+            student = build_student(cfg)
+            policy = fsdp2_prepare_auto_wrap_policy(plugin, student.transformer)
+            wrapped = [m for m in student.transformer.modules() if policy(m)]
+            assert wrapped == list(student.transformer.blocks), (recipe, model_class)
+            assert not student.transformer.gradient_checkpointing
+            plugin.activation_checkpointing = True  # as the launch asked
+            configure_fsdp2(plugin, "bf16", student)
+            # One mechanism: diffusers' per-block checkpointing, not Accelerate's wrapper.
+            assert student.transformer.gradient_checkpointing and not plugin.activation_checkpointing
+    assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "name,stage,offload",
+    [("deepspeed_zero2.yaml", 2, "none"), ("deepspeed_zero3.yaml", 3, "none"), ("deepspeed_zero3_offload.yaml", 3, "cpu")],
+)
+def test_deepspeed_configs_take_the_recipe_values(name, stage, offload, monkeypatch):
+    """The DeepSpeed config Accelerate builds from each launch config, filled by fv_accel from the
+    recipe, then completed by Accelerate's own `deepspeed_config_process` as in `prepare`."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from fv_accel.build import configure_deepspeed
+    from fv_accel.config import load_config
+
+    env = launch_env(REPO / "accelerate_configs" / name)
+    for key, value in env.items():
+        if key.startswith("ACCELERATE_"):
+            monkeypatch.setenv(key, value)
+    plugin = DeepSpeedPlugin()
+    cfg = load_config(
+        REPO / RECIPES["dfsft"],
+        {
+            "training.data.train_batch_size": 3,
+            "training.loop.gradient_accumulation_steps": 4,
+            "callbacks.grad_clip.max_grad_norm": 0.5,
+        },
+    )
+    ds = configure_deepspeed(plugin.deepspeed_config, cfg)
+    # Accelerate's later fill (defaults such as gradient_clipping=1.0 only replace "auto").
+    plugin.deepspeed_config_process(
+        must_match=False,
+        gradient_clipping=1.0,
+        train_micro_batch_size_per_gpu=3,
+        train_batch_size=3 * 4 * 8,
+        **{"zero_optimization.stage3_gather_16bit_weights_on_model_save": False},
+    )
+    assert ds["train_micro_batch_size_per_gpu"] == 3
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["train_batch_size"] == 96
+    assert ds["zero_optimization"]["stage"] == stage
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == offload
+    if stage == 3:
+        assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+def test_deepspeed_config_disagreeing_with_the_recipe_is_an_error():
+    from fv_accel.build import configure_deepspeed
+    from fv_accel.config import load_config
+
+    cfg = load_config(REPO / RECIPES["finetune"], {"callbacks.grad_clip.max_grad_norm": 0.5})
+    with pytest.raises(ValueError, match=r"gradient_clipping=1\.0.*callbacks\.grad_clip\.max_grad_norm"):
+        configure_deepspeed({"gradient_clipping": 1.0, "zero_optimization": {"stage": 2}}, cfg)
+    with pytest.raises(ValueError, match="'optimizer' section"):
+        configure_deepspeed({"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}, cfg)
+    # ZeRO-3 without a final save leaves the gather setting alone.
+    cfg = load_config(REPO / RECIPES["finetune"], {"training.checkpoint.save_final": False})
+    ds = configure_deepspeed({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}}, cfg)
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False
+
+
+def test_launch_gradient_accumulation_must_match_the_recipe(monkeypatch, tmp_path):
+    from fv_accel.build import build_accelerator
+    from fv_accel.config import load_config
+
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    cfg = load_config(REPO / RECIPES["finetune"], overrides(tmp_path / "out"))
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps is 1 but the launch configuration sets 4"):
+        build_accelerator(cfg)
+
+
+def test_fsdp_activation_offload_with_lora_is_refused():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from fv_accel.build import configure_fsdp2
+    from fv_accel.config import load_config
+    from fv_accel.models import build_student
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, activation_checkpointing=True, activation_checkpointing_offload=True
+    )
+    full = build_student(load_config(REPO / RECIPES["finetune"], {"training.model.enable_gradient_checkpointing_type": "full"}))
+    configure_fsdp2(plugin, "no", full)
+    # Accelerate's offloading wrapper stays in charge, and diffusers' checkpointing steps aside.
+    assert plugin.activation_checkpointing and not full.transformer.gradient_checkpointing
+    lora = build_student(load_config(REPO / RECIPES["finetune"], {"models.student.lora.enable": True}))
+    with pytest.raises(ValueError, match="fsdp_activation_checkpointing_offload.*lora"):
+        configure_fsdp2(plugin, "no", lora)
