@@ -274,10 +274,11 @@ def build_from_config(
     resume_meta = read_metadata(resume) if resume is not None else None
     acc = accelerator or build_accelerator(cfg)
     logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Identical initial weights on every rank for inline (random-init) students.
-    set_seed(cfg.training.data.seed)
     data_path = resolve_data_path(cfg, acc)
     _latent_stats_from_dataset(cfg, data_path)
+    # Identical initial weights on every rank for inline (random-init) students. Seeded here, after
+    # the data: building the tiny dataset on a first run reseeds the global RNG.
+    set_seed(cfg.training.data.seed)
     student = build_student(cfg)
     student.attach_accelerator(acc)
     method = METHODS[cfg.method.name](cfg=cfg, role_models={"student": student})

@@ -106,6 +106,12 @@ class EmaCallback(TrainerCallback):
 
     def _build(self, trainer) -> EmaWeights:
         params = trainer.method.student.trainable_parameters()
+        if any(hasattr(p, "ds_tensor") for p in params):
+            # ZeRO-3 keeps each parameter's shard outside `p.data`: there is nothing here to average.
+            raise ValueError(
+                "callbacks.ema is not supported under DeepSpeed ZeRO-3 (partitioned parameters); use "
+                "FSDP2 (accelerate_configs/fsdp2.yaml), where each rank averages its own shard, or ZeRO-2"
+            )
         device = torch.device("cpu") if self.device == "cpu" else None
         ema = EmaWeights(params, self.decay, device=device)
         if self._pending is not None:

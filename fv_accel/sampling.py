@@ -80,13 +80,17 @@ def sample_diffusion_forcing(
     ar_step: Optional[int] = None,
     context_noise: float = 0.0,
     generator: Optional[torch.Generator] = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """Denoise `noise` [B, C, T, H, W] chunk by chunk; returns the clean latents (fp32).
 
-    Each round calls the model once on the whole sequence with per-frame timesteps (twice with
+    Each round calls the model once on the sequence with per-frame timesteps (twice with
     classifier-free guidance) and takes one Euler step `x += (sigma_next - sigma) * v` on the
-    frames of the chunks that move this round; other frames are left as they are. The only draw
-    from `generator` is the context noise (when `context_noise > 0`), made once up front.
+    frames of the chunks that move this round; other frames are left as they are. A bidirectional
+    model sees the whole sequence, chunks not yet started as pure noise (as in DFSFT training);
+    a block-causal one (`causal=True`) only the frames up to the last started chunk, since later
+    frames cannot change its output. The only draw from `generator` is the context noise (when
+    `context_noise > 0`), made once up front.
     """
     if noise.ndim != 5:
         raise ValueError(f"noise must be [B, C, T, H, W], got {tuple(noise.shape)}")
@@ -119,10 +123,16 @@ def sample_diffusion_forcing(
             noised = (1.0 - s) * x + s * ctx_eps
             model_in = torch.where(done[None, None, :, None, None], noised, x)
         t_in = t_frames[None].expand(bsz, -1)
+        end = num_frames
+        if causal:
+            end = int((frame_steps >= 0).nonzero().max()) + 1
+            model_in, t_in = model_in[:, :, :end], t_in[:, :end]
         v = predict(model_in, t_in, text).float()
         if use_cfg:
             v_uncond = predict(model_in, t_in, negative_text).float()
             v = v_uncond + guidance_scale * (v - v_uncond)
+        if end < num_frames:
+            v = torch.cat([v, v.new_zeros(*v.shape[:2], num_frames - end, *v.shape[3:])], dim=2)
         moving = (frame_steps >= 0) & ~done
         dt = torch.where(moving, sigmas[(idx + 1).clamp(max=steps)] - sigmas[idx], torch.zeros_like(sigma_now))
         x = x + dt[None, None, :, None, None] * v

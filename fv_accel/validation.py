@@ -655,6 +655,7 @@ class VideoSamplingCallback(TrainerCallback):
             ar_step=self.val.ar_step if chunk_size else 0,
             context_noise=self.val.context_noise,
             generator=generator,
+            causal=getattr(student, "causal_block_size", None) is not None,
         )
 
     def sample(self, trainer: Any, step: int) -> list[Path]:

@@ -52,6 +52,11 @@ def tiny_overrides(tmp_path, **extra):
         "training.checkpoint.output_dir": str(tmp_path / "out"),
         "training.tracker.trackers": ["none"],
         "training.checkpoint.training_state_checkpointing_steps": 0,
+        # The tiny recipes' demo extras (sample videos, held-out loss, EMA, plots) cost seconds per
+        # run; tests that want them switch them back on.
+        "callbacks.validation.enable": False,
+        "callbacks.ema.enable": False,
+        "training.tracker.write_plots": False,
     }
     out.update(extra)
     return out

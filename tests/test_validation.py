@@ -346,6 +346,7 @@ def test_df_sampler_causal_student_first_chunk_ignores_later_noise(ar_step):
     changed[:, :, 4:] = torch.randn(1, 16, 2, 4, 4, generator=g)  # the last chunk of [0,2) [2,4) [4,6)
 
     def first_chunks_change(causal: bool) -> tuple[float, float]:
+        """Max change of the first two chunks' and of the last chunk's output."""
         cfg = load_config(default_recipe("dfsft"), {
             "models.student.causal": causal, "method.chunk_size": 2, "models.student.causal_attention_backend": "chunked"
         })
@@ -361,6 +362,13 @@ def test_df_sampler_causal_student_first_chunk_ignores_later_noise(ar_step):
         with torch.no_grad():
             a = sample_diffusion_forcing(predict, noise, text, generator=torch.Generator().manual_seed(5), **kw)
             b = sample_diffusion_forcing(predict, changed, text, generator=torch.Generator().manual_seed(5), **kw)
+            if causal:
+                # The sampler's shortcut for causal students (frames after the last started chunk
+                # are left out of each call) changes nothing.
+                short = sample_diffusion_forcing(
+                    predict, noise, text, generator=torch.Generator().manual_seed(5), causal=True, **kw
+                )
+                torch.testing.assert_close(short, a, atol=1e-5, rtol=1e-5)
         return float((a - b)[:, :, :4].abs().max()), float((a - b)[:, :, 4:].abs().max())
 
     causal_first, causal_last = first_chunks_change(True)
@@ -431,3 +439,102 @@ def test_bad_prompt_file_lines_are_named(tmp_path):
         read_prompt_file(tmp_path / "p.csv")
     with pytest.raises(FileNotFoundError, match="callbacks.validation.prompt_file"):
         read_prompt_file(tmp_path / "missing.txt")
+
+
+# --------------------------------------------------------------------------------------------
+# Two processes
+# --------------------------------------------------------------------------------------------
+
+DRIVER = '''
+import json, sys
+from fv_accel.build import build_from_config
+from fv_accel.config import default_recipe
+from fv_accel.trainer import Trainer
+from fv_accel.validation import HeldoutLossCallback
+
+overrides, record = json.loads(sys.argv[1]), sys.argv[2]
+run = build_from_config(default_recipe("dfsft"), overrides)
+heldout = [cb for cb in run.callbacks if isinstance(cb, HeldoutLossCallback)][0]
+trainer = Trainer(run)
+step0 = heldout.evaluate(trainer)
+Trainer(run).run()
+acc = run.accelerator
+with open(f"{record}.rank{acc.process_index}.json", "w") as fh:
+    json.dump({"rank": acc.process_index, "world_size": acc.num_processes, "step0": step0}, fh)
+'''
+
+
+@pytest.mark.multiproc
+def test_two_processes_split_the_heldout_set_and_sample_on_rank_zero(tmp_path):
+    """3 held-out clips over 2 ranks (one rank pads) give the 1-process numbers; the main process
+    alone samples the videos while the other waits."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from fv_accel.trainer import Trainer
+    from fv_accel.validation import HeldoutLossCallback
+
+    over = validation_overrides(
+        tmp_path / "two",
+        **{"training.data.train_batch_size": 1, "callbacks.validation.heldout_max_samples": 3,
+           "callbacks.validation.heldout_fraction": 0.4, "callbacks.validation.num_frames": 5},
+    )
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    accelerate = Path(sys.executable).parent / "accelerate"
+    proc = subprocess.run(
+        [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
+         "--num_processes", "2", str(driver), json.dumps(over), str(tmp_path / "record")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    records = [json.loads((tmp_path / f"record.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in records] == [2, 2] and [r["rank"] for r in records] == [0, 1]
+    assert records[0]["step0"] == records[1]["step0"]  # reduced: the same numbers on both ranks
+    videos = sorted((tmp_path / "two" / "out" / "samples" / "step-2").glob("*.mp4"))
+    assert [v.name for v in videos] == ["00-a-white-square-moving-up-on-a-light-back.mp4"]
+
+    run = build("dfsft", validation_overrides(tmp_path / "one", **over_one(over)))
+    heldout = callback_of(run, HeldoutLossCallback)
+    assert len(heldout.rows) == 3
+    one = heldout.evaluate(Trainer(run))
+    assert one.keys() == records[0]["step0"].keys()
+    for key, value in one.items():
+        assert records[0]["step0"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+def over_one(over: dict) -> dict:
+    """The two-process overrides for an in-process single-process build (own output folder)."""
+    return {k: v for k, v in over.items() if k != "training.checkpoint.output_dir"}
+
+
+def test_initial_weights_do_not_depend_on_the_dataset_cache(tmp_path):
+    """A first run builds the tiny dataset (which reseeds the global RNG) and a second finds it
+    cached: both start from the same weights, so their held-out curves are comparable."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    over = tiny_overrides(
+        tmp_path,
+        **{
+            "training.data.tiny_cache_dir": str(tmp_path / "cache"),
+            "training.data.tiny_num_clips": 2,
+            "training.data.tiny_num_frames": 5,
+            "training.data.tiny_height": 16,
+            "training.data.tiny_width": 16,
+            "training.data.train_batch_size": 1,
+            "method.chunk_size": 1,
+        },
+    )
+    states = []
+    for _ in range(2):
+        run = build("dfsft", over)
+        model = run.accelerator.unwrap_model(run.method.student.transformer)
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
