@@ -561,27 +561,18 @@ class VideoSamplingCallback(TrainerCallback):
 
     def _load(self, trainer: Any) -> None:
         """Load the VAE (kept on the CPU between validations) and encode every prompt once."""
-        from diffusers import AutoencoderKLWan, WanPipeline
-        from transformers import AutoTokenizer, UMT5EncoderModel
+        from diffusers import WanPipeline
 
         from fv_accel.data.loader import TEXT_MAX_LENGTH
+        from fv_accel.models.loading import load_text_encoder, load_vae
 
         acc = trainer.accelerator
         source = self.model_source
         revision = self.cfg.models.student.revision if source == self.cfg.models.student.init_from else None
         text_dtype = torch.bfloat16 if acc.device.type == "cuda" else torch.float32
-        try:
-            vae = AutoencoderKLWan.from_pretrained(source, subfolder="vae", revision=revision, torch_dtype=torch.float32)
-            text_encoder = UMT5EncoderModel.from_pretrained(
-                source, subfolder="text_encoder", revision=revision, dtype=text_dtype
-            )
-            tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
-        except (OSError, ValueError) as err:
-            raise OSError(
-                f"callbacks.validation: could not load the VAE/text encoder/tokenizer of '{source}' for sampling "
-                f"({err.__class__.__name__}: {str(err).splitlines()[0] if str(err) else ''}); set "
-                "callbacks.validation.model_from to a model folder in the diffusers layout"
-            ) from None
+        # Same lookup as the student's (cache honoured offline); errors name the model and what to do.
+        vae = load_vae(source, revision=revision, torch_dtype=torch.float32)
+        tokenizer, text_encoder = load_text_encoder(source, revision=revision, torch_dtype=text_dtype)
         text_encoder.to(acc.device).eval().requires_grad_(False)
         pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=None, transformer=None)
         texts = sorted({p.prompt for p in self.prompts} | {p.negative_prompt for p in self.prompts})

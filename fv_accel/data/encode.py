@@ -23,26 +23,14 @@ class TextVideoEncoder:
         text_max_length: int = TEXT_MAX_LENGTH,
         vae_tiling: bool = False,
     ):
-        from diffusers import AutoencoderKLWan
-        from transformers import AutoTokenizer, UMT5EncoderModel
-
-        from fv_accel.models.loading import ModelLoadError
+        from fv_accel.models.loading import load_text_encoder, load_vae
 
         self.device = device or torch.device("cpu")
         self.dtype = dtype
         self.text_max_length = text_max_length
-        try:
-            self.vae = AutoencoderKLWan.from_pretrained(model, subfolder="vae", revision=revision, torch_dtype=dtype)
-            self.text_encoder = UMT5EncoderModel.from_pretrained(
-                model, subfolder="text_encoder", revision=revision, dtype=dtype
-            )
-            self.tokenizer = AutoTokenizer.from_pretrained(model, subfolder="tokenizer", revision=revision)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(
-                f"could not load the VAE/text encoder/tokenizer of model '{model}': {err.__class__.__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}. Point --model at a Hub id in the local cache "
-                f"or a folder in the diffusers layout (vae/, text_encoder/, tokenizer/)."
-            ) from None
+        # Found like the transformer: Hub id (cache honoured offline) or local folder, clear errors.
+        self.vae = load_vae(model, revision=revision, torch_dtype=dtype)
+        self.tokenizer, self.text_encoder = load_text_encoder(model, revision=revision, torch_dtype=dtype)
         self.vae.to(self.device).eval().requires_grad_(False)
         self.text_encoder.to(self.device).eval().requires_grad_(False)
         if hasattr(self.vae, "enable_slicing") and self.device.type == "cuda":
