@@ -75,6 +75,8 @@ def check_gradient_accumulation(acc, cfg: RunConfig) -> None:
         )
 
 
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 # DeepSpeed config keys the recipe decides, with the recipe key each one comes from.
 DEEPSPEED_RECIPE_KEYS = {
     "train_micro_batch_size_per_gpu": "training.data.train_batch_size",
@@ -125,11 +127,18 @@ def configure_fsdp2(plugin, mixed_precision: str, student) -> None:
     reduction, and one activation-checkpointing mechanism, not two."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    low = LOW_PRECISION.get(mixed_precision)
     policy = plugin.mixed_precision_policy
     if low is not None and (policy is None or getattr(policy, "reduce_dtype", None) in (None, low)):
-        # Accelerate's default reduces gradients in bf16 too; sums over many ranks want fp32.
-        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        # Accelerate's default reduces gradients in bf16 too; sums over many ranks want fp32. And
+        # it casts every float input to bf16, the timesteps too (t = 999.2 becomes 1000): the
+        # student casts latents and text itself instead and the timesteps stay fp32, as under DDP.
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    policy = plugin.mixed_precision_policy
+    if policy is not None and policy.param_dtype is not None and not policy.cast_forward_inputs:
+        student.input_dtype = policy.param_dtype
     model = student.transformer
     if plugin.activation_checkpointing and not plugin.activation_checkpointing_offload:
         # `fsdp_activation_checkpointing` is served by diffusers' own per-block checkpointing
@@ -155,7 +164,11 @@ def configure_engine(acc, cfg: RunConfig, student) -> None:
     from accelerate.utils import DistributedType
 
     if acc.distributed_type == DistributedType.DEEPSPEED:
-        configure_deepspeed(acc.state.deepspeed_plugin.deepspeed_config, cfg)
+        ds_config = configure_deepspeed(acc.state.deepspeed_plugin.deepspeed_config, cfg)
+        # DeepSpeed casts the model to bf16/fp16 but not its inputs: the student must.
+        for name, dtype in LOW_PRECISION.items():
+            if str((ds_config.get(name) or {}).get("enabled", False)).lower() == "true":
+                student.input_dtype = dtype
     elif acc.distributed_type == DistributedType.FSDP:
         if not acc.is_fsdp2:
             raise ValueError(

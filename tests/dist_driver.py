@@ -95,7 +95,16 @@ def run_one(spec: dict, out_root: Path) -> dict:
     method.single_train_step = recording_step
     model = method.student.transformer
     param = next(model.parameters())
-    blocks = getattr(acc.unwrap_model(model), "blocks", [])
+    unwrapped = acc.unwrap_model(model)
+    blocks = getattr(unwrapped, "blocks", [])
+    # What reaches the model: the timesteps' dtype, and the dtype the first block computes in.
+    seen = {"timestep": set(), "block": set()}
+    if hasattr(unwrapped, "condition_embedder"):
+        unwrapped.condition_embedder.register_forward_pre_hook(
+            lambda mod, args: seen["timestep"].add(str(args[0].dtype))
+        )
+    if len(blocks):
+        blocks[0].register_forward_pre_hook(lambda mod, args: seen["block"].add(str(next(mod.parameters()).dtype)))
     rank = acc.process_index
     out = out_root / spec["name"]
     out.mkdir(parents=True, exist_ok=True)
@@ -113,7 +122,11 @@ def run_one(spec: dict, out_root: Path) -> dict:
         "is_fsdp2": sharded,
         "param_type": type(param).__name__,
         "checkpoint_wrapped_blocks": sum(hasattr(b, "_checkpoint_wrapped_module") for b in blocks),
-        "diffusers_gradient_checkpointing": bool(getattr(acc.unwrap_model(model), "gradient_checkpointing", False)),
+        "diffusers_gradient_checkpointing": bool(getattr(unwrapped, "gradient_checkpointing", False)),
+        "mixed_precision": acc.mixed_precision,
+        "mp_policy": str(getattr(acc.state.fsdp_plugin, "mixed_precision_policy", None)) if sharded else None,
+        "timestep_dtypes": sorted(seen["timestep"]),
+        "block_compute_dtypes": sorted(seen["block"]),
         "start_step": run.start_step,
         "steps": [
             {

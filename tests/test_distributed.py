@@ -142,6 +142,17 @@ def fsdp_runs(tmp_path_factory, tiny_data_path):
             "overrides": overrides(root / "dfsft_lora_fsdp2", **LORA),
         },
         {
+            # bf16 compute: the recipe's mixed_precision overrides the launch's "no".
+            "name": "dfsft_fsdp2_bf16",
+            "recipe": RECIPES["dfsft"],
+            "engine": "fsdp2",
+            "overrides": overrides(
+                root / "dfsft_fsdp2_bf16",
+                **common,
+                **{"training.loop.mixed_precision": "bf16", "training.loop.max_train_steps": 2},
+            ),
+        },
+        {
             "name": "finetune_fsdp2_resumed",
             "recipe": RECIPES["finetune"],
             "engine": "fsdp2",
@@ -288,6 +299,25 @@ def test_lora_dfsft_under_fsdp2_equals_ddp(fsdp_runs, ddp_runs):
         )
 
 
+@pytest.mark.multiproc
+def test_fsdp2_bf16_computes_in_bf16_with_fp32_timesteps_and_reduction(fsdp_runs, ddp_runs):
+    """Under bf16 the blocks compute in bf16 over fp32 master weights, gradients are reduced in
+    fp32, and the timesteps reach the model in fp32 (FSDP2's input cast would round t = 999.2 to
+    1000); the first step's loss (before any update) matches the fp32 DDP run's to bf16 accuracy."""
+    _, records = fsdp_runs
+    _, ddp_records = ddp_runs
+    for rec in records["dfsft_fsdp2_bf16"]:
+        assert rec["is_fsdp2"] and rec["mixed_precision"] == "bf16"
+        assert "param_dtype=torch.bfloat16, reduce_dtype=torch.float32" in rec["mp_policy"]
+        assert rec["block_compute_dtypes"] == ["torch.bfloat16"]
+        assert rec["timestep_dtypes"] == ["torch.float32"]
+    first_bf16 = records["dfsft_fsdp2_bf16"][0]["logged"][0]["loss"]
+    first_fp32 = ddp_records["dfsft_2proc"][0]["logged"][0]["loss"]
+    assert first_bf16 == pytest.approx(first_fp32, rel=2e-2)
+    # The fp32 runs: fp32 all the way.
+    assert records["finetune_fsdp2"][0]["block_compute_dtypes"] == ["torch.float32"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Launch configs and engine settings (in-process)
 # ---------------------------------------------------------------------------------------------
@@ -357,6 +387,9 @@ def test_fsdp2_configs_wrap_each_block_and_reduce_in_fp32(name, monkeypatch):
             assert student.transformer.gradient_checkpointing and not plugin.activation_checkpointing
     assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
     assert plugin.mixed_precision_policy.reduce_dtype == torch.float32
+    # The student casts its inputs (latents, text) to bf16; FSDP casts nothing (timesteps stay fp32).
+    assert plugin.mixed_precision_policy.cast_forward_inputs is False
+    assert student.input_dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(
