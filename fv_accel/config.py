@@ -488,6 +488,37 @@ def validate(cfg: RunConfig, source: str) -> None:
         raise bad("training.tracker.peak_tflops", cfg.training.tracker.peak_tflops, "a number > 0")
 
 
+# The one parser of `method.chunk_size`: DFSFT's chunks and a causal student's block size.
+DEFAULT_CHUNK_SIZE = 3
+
+
+def parse_chunk_size(raw: Any) -> int:
+    """`method.chunk_size`: None -> 3; otherwise a positive integer (no bool, no fractional float)."""
+    if raw is None:
+        return DEFAULT_CHUNK_SIZE
+    if isinstance(raw, bool):
+        raise ValueError(f"method.chunk_size must be a positive integer, got bool {raw!r}")
+    if isinstance(raw, int):
+        value = raw
+    elif isinstance(raw, float):
+        if not raw.is_integer():
+            raise ValueError(f"method.chunk_size must be a positive integer, got {raw!r}")
+        value = int(raw)
+    elif isinstance(raw, str):
+        text = raw.strip()
+        if not text:
+            raise ValueError("method.chunk_size must be a positive integer, got an empty string")
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"method.chunk_size must be a positive integer, got {raw!r}") from None
+    else:
+        raise ValueError(f"method.chunk_size must be a positive integer, got {type(raw).__name__} {raw!r}")
+    if value <= 0:
+        raise ValueError(f"method.chunk_size must be a positive integer, got {raw!r}")
+    return value
+
+
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------

@@ -44,6 +44,12 @@ class TrainingMethod:
     def student(self) -> ModelBase:
         return self.role_models["student"]
 
+    def _require_trainable_student(self, label: str) -> None:
+        if "student" not in self.role_models:
+            raise ValueError(f"{label} requires role 'student'")
+        if not self.student._trainable:
+            raise ValueError(f"{label} requires student to be trainable")
+
     def _infer_attn_kind(self) -> Literal["dense", "vsa"]:
         # Video sparse attention is a FastVideo kernel with no diffusers counterpart: always dense.
         return "dense"

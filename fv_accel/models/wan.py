@@ -93,7 +93,7 @@ class WanStudent(ModelBase):
         self.supports_causal_attention = True
         self.causal_attention = None
         if self.student_config.causal:
-            from fv_accel.methods.fine_tuning.dfsft import parse_chunk_size
+            from fv_accel.config import parse_chunk_size
             from fv_accel.models.attention import CausalSpec, install_causal_attention
 
             self.causal_block_size = parse_chunk_size(cfg.method.chunk_size)

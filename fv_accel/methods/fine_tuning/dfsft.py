@@ -8,41 +8,12 @@ from typing import Any, Literal
 
 import torch
 
+from fv_accel.config import DEFAULT_CHUNK_SIZE, parse_chunk_size  # noqa: F401 (re-exported)
 from fv_accel.methods.base import LogScalar, TrainingMethod
 from fv_accel.methods.fine_tuning.finetune import flow_matching_loss
 from fv_accel.models.base import ModelBase, TrainingBatch
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CHUNK_SIZE = 3
-
-
-def parse_chunk_size(raw: Any) -> int:
-    """`method.chunk_size`: None -> 3; otherwise a positive integer (no bool, no fractional float)."""
-    if raw is None:
-        return DEFAULT_CHUNK_SIZE
-    if isinstance(raw, bool):
-        raise ValueError(f"method.chunk_size must be a positive integer, got bool {raw!r}")
-    if isinstance(raw, int):
-        value = raw
-    elif isinstance(raw, float):
-        if not raw.is_integer():
-            raise ValueError(f"method.chunk_size must be a positive integer, got {raw!r}")
-        value = int(raw)
-    elif isinstance(raw, str):
-        text = raw.strip()
-        if not text:
-            raise ValueError("method.chunk_size must be a positive integer, got an empty string")
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"method.chunk_size must be a positive integer, got {raw!r}") from None
-    else:
-        raise ValueError(f"method.chunk_size must be a positive integer, got {type(raw).__name__} {raw!r}")
-    if value <= 0:
-        raise ValueError(f"method.chunk_size must be a positive integer, got {raw!r}")
-    return value
-
 
 def _parse_ratio(raw: Any, key: str) -> float:
     if isinstance(raw, bool):
@@ -82,10 +53,7 @@ class DiffusionForcingSFTMethod(TrainingMethod):
 
     def __init__(self, *, cfg: Any, role_models: dict[str, ModelBase]) -> None:
         super().__init__(cfg=cfg, role_models=role_models)
-        if "student" not in role_models:
-            raise ValueError("DFSFT requires role 'student'")
-        if not self.student._trainable:
-            raise ValueError("DFSFT requires student to be trainable")
+        self._require_trainable_student("DFSFT")
         self._attn_kind: Literal["dense", "vsa"] = self._infer_attn_kind()
         self._chunk_size = parse_chunk_size(self.method_config.get("chunk_size", None))
         self._timestep_index_range = parse_timestep_index_range(

@@ -41,10 +41,7 @@ class FineTuneMethod(TrainingMethod):
 
     def __init__(self, *, cfg: Any, role_models: dict[str, ModelBase]) -> None:
         super().__init__(cfg=cfg, role_models=role_models)
-        if "student" not in role_models:
-            raise ValueError("FineTuneMethod requires role 'student'")
-        if not self.student._trainable:
-            raise ValueError("FineTuneMethod requires student to be trainable")
+        self._require_trainable_student("FineTuneMethod")
         self._attn_kind: Literal["dense", "vsa"] = self._infer_attn_kind()
         self.student.init_preprocessors(self.training_config)
         self._init_optimizers_and_schedulers()
