@@ -61,12 +61,12 @@ def overrides(out_dir: Path, **extra) -> dict:
     return base
 
 
-def launch(config: str, runs: list[dict], root: Path, *extra_args: str) -> dict[str, list[dict]]:
-    """One two-process `accelerate launch` of the driver; returns each run's per-rank records."""
+def launch(config: str, runs: list[dict], root: Path, *extra_args: str, processes: int = 2) -> dict[str, list[dict]]:
+    """One `accelerate launch` of the driver on CPU; returns each run's per-rank records."""
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps({"out_root": str(root / "records"), "runs": runs}))
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
-    cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / config), "--num_processes", "2", *extra_args]
+    cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / config), "--num_processes", str(processes), *extra_args]
     proc = subprocess.run(
         [*cmd, str(DRIVER), str(spec_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200
     )
@@ -75,10 +75,10 @@ def launch(config: str, runs: list[dict], root: Path, *extra_args: str) -> dict[
     records = {}
     for run in runs:
         folder = root / "records" / run["name"]
-        records[run["name"]] = [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
-        # The world size is asserted from inside the run, on both ranks.
-        assert [rec["world_size"] for rec in records[run["name"]]] == [2, 2], run["name"]
-        assert [rec["rank"] for rec in records[run["name"]]] == [0, 1]
+        records[run["name"]] = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(processes)]
+        # The world size is asserted from inside the run, on every rank.
+        assert [rec["world_size"] for rec in records[run["name"]]] == [processes] * processes, run["name"]
+        assert [rec["rank"] for rec in records[run["name"]]] == list(range(processes))
     return records
 
 
@@ -281,6 +281,39 @@ def test_fsdp2_equals_ddp_and_its_sharded_checkpoint_resumes(fsdp_runs, ddp_runs
 
 
 @pytest.mark.multiproc
+def test_fsdp2_checkpoint_of_two_processes_resumes_in_one(fsdp_runs, tmp_path):
+    """torch.distributed.checkpoint reshards: the two-process FSDP2 checkpoint resumes under FSDP2
+    in one process (batch 2) and ends with the two-process run's weights."""
+    root, records = fsdp_runs
+    runs = [
+        {
+            "name": "finetune_fsdp2_resumed_1proc",
+            "recipe": RECIPES["finetune"],
+            "engine": "fsdp2",
+            "overrides": overrides(
+                tmp_path / "finetune_fsdp2_resumed_1proc",
+                **{
+                    "training.data.train_batch_size": 2,
+                    "training.checkpoint.resume_from_checkpoint": str(root / "finetune_fsdp2" / "checkpoint-2"),
+                    # The EMA callback keeps each rank's FSDP2 shard of its average in the rank's
+                    # file, which does not reshard to another process count (it refuses the shapes).
+                    "callbacks.ema.enable": False,
+                },
+            ),
+        }
+    ]
+    one = launch("accelerate_configs/fsdp2.yaml", runs, tmp_path, "--mixed_precision", "no", processes=1)
+    (rec,) = one["finetune_fsdp2_resumed_1proc"]
+    assert rec["is_fsdp2"] and rec["start_step"] == 2
+    assert sorted(rec["steps"][0]["samples"]) == sorted(
+        records["finetune_fsdp2"][0]["steps"][2]["samples"] + records["finetune_fsdp2"][1]["steps"][2]["samples"]
+    )
+    final = load_file(str(tmp_path / "finetune_fsdp2_resumed_1proc" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    two_proc = load_file(str(root / "finetune_fsdp2" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert max_diff(final, two_proc) < WEIGHT_TOL
+
+
+@pytest.mark.multiproc
 def test_lora_dfsft_under_fsdp2_equals_ddp(fsdp_runs, ddp_runs):
     """A LoRA (frozen base, trainable adapter) DFSFT run: the adapter FSDP2 gathers and writes
     equals the DDP run's, step losses too."""
@@ -323,18 +356,35 @@ def test_fsdp2_bf16_computes_in_bf16_with_fp32_timesteps_and_reduction(fsdp_runs
 # ---------------------------------------------------------------------------------------------
 
 
-def launch_env(config: Path, *cli: str) -> dict[str, str]:
-    """The environment `accelerate launch --config_file <config>` gives the training processes."""
+def launch_env(config: Path, *cli: str, with_args: bool = False):
+    """The environment `accelerate launch --config_file <config>` gives the training processes
+    (and, with `with_args`, the launcher's resolved arguments and DeepSpeed command)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     args = launch_command_parser().parse_args(["--config_file", str(config), *cli, "train.py"])
     args, defaults, _ = _validate_launch_command(args)
+    cmd = None
     if args.use_deepspeed:
         # What `launch_command` adds before handing over to the DeepSpeed launcher.
         args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
-        return prepare_deepspeed_cmd_env(args)[1]
-    return prepare_multi_gpu_env(args)
+        cmd, env = prepare_deepspeed_cmd_env(args)
+    else:
+        env = prepare_multi_gpu_env(args)
+    return (env, args, cmd) if with_args else env
+
+
+@pytest.mark.parametrize("name", ["fsdp2.yaml", "fsdp2_hybrid.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3_offload.yaml"])
+def test_multinode_launch_command_is_accepted(name):
+    """The README's second-node command: torchrun on each node with its machine rank (for
+    DeepSpeed too, not its pdsh launcher, so SLURM can start one launcher per node)."""
+    cli = ("--num_machines", "2", "--num_processes", "16", "--machine_rank", "1",
+           "--main_process_ip", "10.0.0.1", "--main_process_port", "29500")
+    env, args, cmd = launch_env(REPO / "accelerate_configs" / name, *cli, with_args=True)
+    assert cmd is None  # no `deepspeed --hostfile ...` command: accelerate runs torchrun itself
+    assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("2", 1, "8")
+    rendezvous = getattr(args, "rdzv_endpoint", None) or f"{args.master_addr}:{args.master_port}"
+    assert rendezvous == "10.0.0.1:29500"
 
 
 CONFIGS = sorted(p.name for p in (REPO / "accelerate_configs").glob("*.yaml"))
