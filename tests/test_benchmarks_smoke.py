@@ -1,0 +1,92 @@
+"""Smoke tests: every CPU benchmark runs end to end at its --quick setting (tiny model) and writes
+its results as valid JSON and a Markdown table with the machine description."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _bench_env(monkeypatch):
+    # The benchmarks set these with setdefault at import; keep the test process's environment as it was.
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"fv_bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _read(out: Path, name: str) -> tuple[dict, str]:
+    data = json.loads((out / f"{name}.json").read_text())
+    md = (out / f"{name}.md").read_text()
+    assert data["machine"]["torch"] == torch.__version__
+    assert data["machine"]["cpu_cores"] >= 1 and data["machine"]["cpu_model"]
+    assert "Machine:" in md and data["machine"]["cpu_model"] in md
+    return data, md
+
+
+def _positive(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_step_overhead_quick(tmp_path):
+    out = tmp_path / "results"
+    _load("step_overhead").main(["--quick", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    data, md = _read(out, "step_overhead")
+    (res,) = data["sizes"]
+    assert res["size"] == "tiny" and res["latent_shape"] == [16, 6, 6, 6] and res["tokens_per_step"] == 2 * 3 * 3 * 6
+    assert res["rounds"] == 2 and res["steps_per_round"] == 2
+    for variant in ("bare", "sft", "dfsft"):
+        stats = res["step_time_s"][variant]
+        assert stats["n"] == 4 and _positive(stats["min"]) and stats["min"] <= stats["median"] <= stats["max"]
+        assert len(res["round_mean_step_time_s"]["wall"][variant]) == 2
+        phases = res["phases_s"][variant]
+        # forward + backward + optimizer fit inside the step
+        inside = sum(phases[p]["median"] for p in ("forward", "backward", "optimizer"))
+        assert 0 < inside <= phases["step"]["max"] + 1e-6
+    for key in ("sft/bare", "dfsft/bare", "dfsft/sft"):
+        ratio = res["ratios"][key]["per_round"]
+        assert ratio["n"] == 2 and _positive(ratio["median"])
+        assert res["ratios"][key]["target"] is None  # targets are for the small size
+    assert "| tiny" in md and "SFT / bare" in md
+
+
+def test_memory_quick(tmp_path):
+    out = tmp_path / "results"
+    _load("memory").main(["--quick", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    data, md = _read(out, "memory")
+    (res,) = data["results"]
+    assert "error" not in res, res.get("error")
+    assert (res["method"], res["lora"], res["ckpt"], res["T"], res["batch"]) == ("sft", False, False, 6, 2)
+    assert res["memory_kind"] == ("cuda allocated" if torch.cuda.is_available() else "cpu rss")
+    # Setup holds the model (~0.37M fp32 parameters) and AdamW's two moments, on top of the interpreter.
+    assert res["trainable_params"] == res["params"] > 300_000
+    assert res["setup_gb"] > 3 * res["params"] * 4 / 2**30
+    assert res["peak_step_gb"] >= res["peak_fwd_bwd_gb"] >= res["setup_gb"]
+    assert res["activation_gb"] == pytest.approx(res["peak_fwd_bwd_gb"] - res["setup_gb"])
+    assert "sft full" in md
+
+
+def test_data_throughput_quick(tmp_path):
+    out = tmp_path / "results"
+    _load("data_throughput").main(["--quick", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    data, md = _read(out, "data_throughput")
+    assert data["size"] == "tiny" and data["rows"] == 8
+    for key in ("loader_samples_per_s", "model_samples_per_s", "ratio_loader_over_model"):
+        assert data[key]["n"] == 2 and _positive(data[key]["median"])
+    ratio = data["ratio_loader_over_model"]["median"]
+    assert ratio == pytest.approx(data["loader_samples_per_s"]["median"] / data["model_samples_per_s"]["median"], rel=0.5)
+    assert 0 <= data["trainer_data_wait_share_of_step"]["median"] < 1
+    assert "loader / model" in md
