@@ -163,6 +163,7 @@ def configure_engine(acc, cfg: RunConfig, student) -> None:
     """Fit the engine `accelerate launch` chose to the recipe, before `prepare` (DDP needs nothing)."""
     from accelerate.utils import DistributedType
 
+    check_gradient_accumulation(acc, cfg)  # also for an Accelerator the caller built
     if acc.distributed_type == DistributedType.DEEPSPEED:
         ds_config = configure_deepspeed(acc.state.deepspeed_plugin.deepspeed_config, cfg)
         # DeepSpeed casts the model to bf16/fp16 but not its inputs: the student must.
