@@ -16,10 +16,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The demo starts afresh each time: a run refuses an output folder holding another run's checkpoints.
 demo: $(STAMP)
+	rm -rf outputs/tiny_dfsft
 	$(VENV)/bin/accelerate launch train_dfsft.py
 
 demo-finetune: $(STAMP)
+	rm -rf outputs/tiny_finetune
 	$(VENV)/bin/accelerate launch train_finetune.py
 
 test: $(STAMP)
