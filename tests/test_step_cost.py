@@ -1,8 +1,14 @@
-"""WanStudent embeds per-frame timesteps once per frame (PerFrameTimeEmbedding): the same outputs and
-gradients as diffusers' per-token path, with the time MLP's FLOPs cut by the tokens per frame."""
+"""Step-cost fixes found by benchmarks/step_overhead.py, each exact:
+- WanStudent embeds per-frame timesteps once per frame (PerFrameTimeEmbedding): the same outputs
+  and gradients as diffusers' per-token path, with the time MLP's FLOPs cut by the tokens per frame;
+- the Trainer scales gradients only when their norm is over the limit: the same gradients and norm
+  as torch's clip_grad_norm_, without its pass over every gradient when nothing changes."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -75,3 +81,36 @@ def test_homogeneous_timesteps_leave_the_embedder_alone():
     # [B] stays [B]; per-frame [B, T] reaches the MLP as B*T timesteps with a sequence of T (the
     # hooks run in registration order: ours first, then the probe above).
     assert calls == [((2,), None), ((6,), 3)]
+
+
+def _grads(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((7, 5), (11,), (3, 4, 2))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    return params
+
+
+@pytest.mark.parametrize("limit_over_norm", [0.5, 2.0, 0.0])
+def test_clipping_matches_torch_and_skips_the_pass_under_the_limit(monkeypatch, limit_over_norm):
+    from accelerate import Accelerator
+
+    from fv_accel.trainer import Trainer
+
+    ours, reference = _grads(), _grads()
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in reference]))
+    max_norm = limit_over_norm * norm  # 0.0: clipping off (the norm is still taken)
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference, max_norm if max_norm > 0 else float("inf"))
+
+    passes = []
+    original = torch.nn.utils.clip_grads_with_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: passes.append(1) or original(*a, **k))
+    trainer = SimpleNamespace(accelerator=Accelerator(cpu=True))
+    got_norm = Trainer._clip_gradients(trainer, ours, max_norm)
+
+    assert torch.equal(got_norm, expected_norm)
+    for a, b in zip(ours, reference):
+        assert torch.equal(a.grad, b.grad)
+    assert len(passes) == (1 if limit_over_norm == 0.5 else 0)
+    if limit_over_norm == 0.5:
+        assert float(torch.nn.utils.get_total_norm([p.grad for p in ours])) == pytest.approx(max_norm, rel=1e-5)
