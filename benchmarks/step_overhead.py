@@ -56,6 +56,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny size, 2 rounds of 2 steps: a smoke test")
     p.add_argument("--out", type=Path, default=C.RESULTS_DIR, help="where the JSON and Markdown results go")
     p.add_argument("--work-dir", type=Path, default=C.WORK_DIR, help="datasets and scratch run folders")
+    p.add_argument("--name", default="step_overhead", help="base name of the result files")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.rounds, args.steps, args.warmup = ["tiny"], 2, 2, 1
@@ -353,7 +354,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     def write_partial(result: dict) -> None:
         partial = payload_with(results + [result])
-        C.write_results(args.out, "step_overhead", partial, to_markdown(partial))
+        C.write_results(args.out, args.name, partial, to_markdown(partial))
 
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="step_overhead-") as scratch:
         for name in args.sizes:
@@ -361,7 +362,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             results.append(measure_size(size, args, Path(scratch) / name, on_round=write_partial))
     payload = payload_with(results)
     md = to_markdown(payload)
-    paths = C.write_results(args.out, "step_overhead", payload, md)
+    paths = C.write_results(args.out, args.name, payload, md)
     print(md)
     print(f"wrote {paths[0]} and {paths[1]}")
     return payload
