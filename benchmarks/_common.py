@@ -96,7 +96,8 @@ def write_latent_dataset(folder: Path, size: BenchSize, rows: int, *, seed: int 
     folder = Path(folder)
     spec = {"latent_shape": list(size.latent_shape), "text_shape": list(size.text_shape), "rows": rows, "seed": seed}
     marker = folder / "bench_dataset.json"
-    if marker.is_file() and json.loads(marker.read_text()) == spec:
+    shard = folder / "data-00000.parquet"
+    if shard.is_file() and marker.is_file() and json.loads(marker.read_text()) == spec:
         return str(folder)
     from fv_accel.data.schema import make_row, write_rows
 
@@ -121,7 +122,7 @@ def write_latent_dataset(folder: Path, size: BenchSize, rows: int, *, seed: int 
                 fps=16.0,
             )
         )
-    write_rows(out, folder / "data-00000.parquet")
+    write_rows(out, shard)
     marker.write_text(json.dumps(spec) + "\n")
     return str(folder)
 

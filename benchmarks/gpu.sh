@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-benchmarks/results/gpu}"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python || command -v python3)}"
 # For checking this script's plumbing on a CPU machine: BENCH_SIZE=tiny BENCH_ALLOW_CPU=1.
 SIZE="${BENCH_SIZE:-wan_1_3b}"
 WORK_DIR="${BENCH_WORK_DIR:-${TMPDIR:-/tmp}/fv_accel_bench}"

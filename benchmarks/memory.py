@@ -219,8 +219,7 @@ def run_config(spec: dict, args: argparse.Namespace, scratch: Path) -> dict:
     data_path, data_kind = C.prepare_dataset(args.work_dir, size, rows)
     chunk = None
     if spec["method"] == "dfsft":
-        from fv_accel.config import load_config
-        from fv_accel.methods.fine_tuning.dfsft import parse_chunk_size
+        from fv_accel.config import load_config, parse_chunk_size
 
         # A chunk no longer than the clip (the tiny and small recipes' chunk fits their own T).
         chunk = min(parse_chunk_size(load_config(size.recipe).method.chunk_size), spec["T"])
