@@ -44,6 +44,16 @@ class TrainingMethod:
     def student(self) -> ModelBase:
         return self.role_models["student"]
 
+    def _step_result(
+        self, loss: torch.Tensor, tb: Any, loss_key: str
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+        """The (loss_map, outputs, metrics) every method's single_train_step returns."""
+        loss_map = {"total_loss": loss, loss_key: loss}
+        outputs: dict[str, Any] = {"_fv_backward": (tb.timesteps, tb.attn_metadata), "training_batch": tb}
+        # Tensors, not floats: converting here would sync the device every micro-step.
+        metrics: dict[str, Any] = {"mean_sigma": tb.sigmas.detach().float().mean()}
+        return loss_map, outputs, metrics
+
     def _require_trainable_student(self, label: str) -> None:
         if "student" not in self.role_models:
             raise ValueError(f"{label} requires role 'student'")

@@ -135,10 +135,7 @@ class DiffusionForcingSFTMethod(TrainingMethod):
             tb.noisy_model_input, tb.timesteps, tb, conditional=True, attn_kind=self._attn_kind
         )
         loss = self.compute_loss(pred, tb)
-        loss_map = {"total_loss": loss, "dfsft_loss": loss}
-        outputs: dict[str, Any] = {"_fv_backward": (tb.timesteps, tb.attn_metadata), "training_batch": tb}
-        metrics: dict[str, Any] = {"mean_sigma": tb.sigmas.detach().float().mean()}
-        return loss_map, outputs, metrics
+        return self._step_result(loss, tb, "dfsft_loss")
 
     def math_signature(self) -> dict[str, Any]:
         sig = super().math_signature()

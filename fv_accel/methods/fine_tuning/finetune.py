@@ -70,8 +70,4 @@ class FineTuneMethod(TrainingMethod):
             tb.sigmas,
             precondition_outputs=bool(self.training_config.model.precondition_outputs),
         )
-        loss_map = {"total_loss": loss, "finetune_loss": loss}
-        outputs: dict[str, Any] = {"_fv_backward": (tb.timesteps, tb.attn_metadata), "training_batch": tb}
-        # Tensors, not floats: converting here would sync the device every micro-step.
-        metrics: dict[str, Any] = {"mean_sigma": tb.sigmas.detach().float().mean()}
-        return loss_map, outputs, metrics
+        return self._step_result(loss, tb, "finetune_loss")

@@ -69,10 +69,7 @@ class TeacherForcingSFTMethod(DiffusionForcingSFTMethod):
             context, context_t, tb.noisy_model_input, tb.timesteps, tb, conditional=True
         )
         loss = self.compute_loss(pred, tb)
-        loss_map = {"total_loss": loss, "tfsft_loss": loss}
-        outputs: dict[str, Any] = {"_fv_backward": (tb.timesteps, tb.attn_metadata), "training_batch": tb}
-        metrics: dict[str, Any] = {"mean_sigma": tb.sigmas.detach().float().mean()}
-        return loss_map, outputs, metrics
+        return self._step_result(loss, tb, "tfsft_loss")
 
     def math_signature(self) -> dict[str, Any]:
         sig = super().math_signature()
