@@ -5,6 +5,7 @@ The trainer knows the loop and Accelerate, never a model's internals or a loss.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import math
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 # A launcher relays a signal it got itself (accelerate launch sends SIGTERM to the trainer on Ctrl-C or
 # SIGTERM): a repeat this soon after the first is the same request, not a "stop now".
 SIGNAL_REPEAT_GRACE_S = 2.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class TrainingStopped(RuntimeError):
@@ -74,6 +76,7 @@ class Trainer:
         self.last_checkpoint: Optional[Path] = None
         self._stop_signal: Optional[int] = None
         self._stop_signal_time = 0.0
+        self._dump_registered = False
 
     # ---- trainer counters kept in checkpoints (metadata.json) ----
     def state_dict(self) -> dict:
@@ -90,7 +93,25 @@ class Trainer:
     def _install_signal_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
             return {}
-        return {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        for sig in STOP_SIGNALS:
+            # Restart system calls the signal interrupts (SA_RESTART). The kernel hands a signal to
+            # any thread, and the collective library's socket threads (gloo, NCCL's proxy) do not all
+            # retry a read or write that fails with EINTR; the handler only sets a flag anyway.
+            signal.siginterrupt(sig, False)
+        if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+            # `kill -USR1 <pid>` prints every thread's Python stack to stderr, even while the main
+            # thread is blocked in a collective: the first thing to look at in a hung run.
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+            self._dump_registered = True
+        return previous
+
+    def _restore_signal_handlers(self, previous: dict) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if self._dump_registered:
+            faulthandler.unregister(signal.SIGUSR1)
+            self._dump_registered = False
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -213,8 +234,7 @@ class Trainer:
         try:
             return self._train()
         finally:
-            for sig, handler in previous_handlers.items():
-                signal.signal(sig, handler)
+            self._restore_signal_handlers(previous_handlers)
             if self._metrics_file is not None:
                 self._metrics_file.close()
                 self._metrics_file = None

@@ -21,6 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.launch_helpers import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = REPO / "tests" / "dist_driver.py"
 ACCELERATE = Path(sys.executable).parent / "accelerate"
@@ -66,7 +68,8 @@ def launch(config: str, runs: list[dict], root: Path, *extra_args: str, processe
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps({"out_root": str(root / "records"), "runs": runs}))
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
-    cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / config), "--num_processes", str(processes), *extra_args]
+    cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / config), "--num_processes", str(processes),
+           "--main_process_port", str(free_port()), *extra_args]
     proc = subprocess.run(
         [*cmd, str(DRIVER), str(spec_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200
     )

@@ -21,6 +21,7 @@ import fv_accel.trainer as trainer_module
 from fv_accel.checkpoint import latest_checkpoint, read_metadata
 from fv_accel.config import default_recipe, load_config
 from fv_accel.trainer import Trainer, TrainerCallback, TrainingStopped
+from tests.launch_helpers import free_port, kill_tree, wait_or_diagnose
 from tests.resume_helpers import build, small_overrides, weights, write_latent_dataset
 
 REPO = Path(__file__).resolve().parent.parent
@@ -237,7 +238,8 @@ def _launch(script: str, recipe: Path, log_path: Path, nproc: int) -> subprocess
     accelerate = Path(sys.executable).with_name("accelerate")
     multi = ["--multi_gpu"] if nproc > 1 else []
     cmd = [str(accelerate), "launch", *multi, "--num_processes", str(nproc), "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", script, "--config", str(recipe)]
+           "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
+           script, "--config", str(recipe)]
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -249,6 +251,7 @@ def _wait_for_steps(launcher: subprocess.Popen, out: Path, steps: int, log_path:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
             return
         time.sleep(0.2)
+    kill_tree(launcher)
     raise AssertionError(f"the run did not reach step {steps}:\n{log_path.read_text()[-3000:]}")
 
 
@@ -278,6 +281,24 @@ def test_second_signal_exits_at_once_but_a_relayed_copy_does_not(monkeypatch, ca
     assert "received SIGINT again: exiting now without a checkpoint" in err
 
 
+def test_sigusr1_dumps_every_threads_stack_while_training_and_is_restored_after(capfd, tmp_path):
+    cfg = load_config(default_recipe("finetune"), {"training.checkpoint.output_dir": str(tmp_path)})
+    fake_run = types.SimpleNamespace(accelerator=None, config=cfg, method=None, dataloader=None, start_step=0, callbacks=[])
+    trainer = Trainer(fake_run)
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    previous = trainer._install_signal_handlers()
+    try:
+        assert signal.getsignal(signal.SIGTERM) == trainer._on_signal
+        os.kill(os.getpid(), signal.SIGUSR1)  # the default action would end this process
+        time.sleep(0.2)
+    finally:
+        trainer._restore_signal_handlers(previous)
+    err = capfd.readouterr().err
+    assert "most recent call first" in err and "test_sigusr1_dumps_every_threads_stack" in err
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) == previous[signal.SIGTERM]
+
+
 @pytest.mark.slow
 def test_sigterm_to_a_launched_run_saves_exits_0_and_resumes(tmp_path, latent_data):
     import psutil
@@ -292,7 +313,7 @@ def test_sigterm_to_a_launched_run_saves_exits_0_and_resumes(tmp_path, latent_da
     trainers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "train_finetune.py" in " ".join(p.cmdline())]
     assert len(trainers) == 1
     trainers[0].send_signal(signal.SIGTERM)  # what a preemption notice does to the training process
-    rc = launcher.wait(timeout=240)
+    rc = wait_or_diagnose(launcher, 240, log_path)
     text = log_path.read_text()
     assert rc == 0, text[-3000:]
     m = re.search(r"stopped by SIGTERM after step (\d+): checkpoint saved in (\S+); continue with --resume_from_checkpoint latest", text)
@@ -334,7 +355,7 @@ def test_sigterm_to_one_rank_stops_both_and_their_checkpoints_replay_exactly(tmp
     by_rank = {int(p.environ()["RANK"]): p for p in workers}
     assert sorted(by_rank) == [0, 1]
     by_rank[1].send_signal(signal.SIGTERM)
-    assert launcher.wait(timeout=240) == 0, log_a.read_text()[-3000:]
+    assert wait_or_diagnose(launcher, 240, log_a) == 0, log_a.read_text()[-3000:]
     text = log_a.read_text()
     m = re.search(r"stopped by (?:SIGTERM|another rank's signal) after step (\d+): checkpoint saved in (\S+);", text)
     assert m, text[-3000:]
@@ -359,7 +380,7 @@ def test_sigterm_to_one_rank_stops_both_and_their_checkpoints_replay_exactly(tmp
     )
     recipe_b.write_text(load_config(default_recipe("dfsft"), over_b).to_yaml())
     log_b = tmp_path / "b.log"
-    assert _launch("train_dfsft.py", recipe_b, log_b, nproc=2).wait(timeout=300) == 0, log_b.read_text()[-3000:]
+    assert wait_or_diagnose(_launch("train_dfsft.py", recipe_b, log_b, nproc=2), 300, log_b) == 0, log_b.read_text()[-3000:]
     logged_b = _logged_losses(out_b)
     assert logged_b == {step - 1: logged_a[step - 1], step: logged_a[step]}
     final = load_file(str(out_b / "transformer" / "diffusion_pytorch_model.safetensors"))

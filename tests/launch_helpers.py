@@ -1,0 +1,68 @@
+"""Helpers for tests that start real `accelerate launch` runs: a port of their own, and on a hang
+the evidence (each process's signal state and Python stacks, the log) before the tree is killed."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now: each launch gets its own rendezvous store, so a run left
+    over from an earlier test (or another job on the machine) cannot answer on the default 29500."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _signal_state(pid: int) -> str:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError as err:
+        return f"(no /proc state: {err})"
+    keep = ("State", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    return " ".join(line.replace("\t", "") for line in lines if line.startswith(keep)) + f" wchan:{wchan}"
+
+
+def wait_or_diagnose(launcher: subprocess.Popen, timeout: float, log_path: Path) -> int:
+    """`launcher.wait(timeout)`; on a timeout, ask every descendant for its stacks (the trainer
+    dumps them on SIGUSR1), kill the whole tree and fail with what was seen."""
+    import psutil
+    import pytest
+
+    try:
+        return launcher.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    procs = psutil.Process(launcher.pid).children(recursive=True)
+    states = [f"pid {p.pid} {' '.join(p.cmdline())[:120]}: {_signal_state(p.pid)}" for p in procs]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGUSR1)
+        except psutil.NoSuchProcess:
+            pass
+    time.sleep(2)
+    kill_tree(launcher)
+    pytest.fail(
+        f"the launched run did not exit within {timeout:.0f} s; processes:\n" + "\n".join(states)
+        + f"\nlog tail ({log_path}):\n" + log_path.read_text(errors="replace")[-8000:]
+    )
+
+
+def kill_tree(launcher: subprocess.Popen) -> None:
+    import psutil
+
+    try:
+        procs = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
