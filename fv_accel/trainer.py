@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +27,13 @@ logger = logging.getLogger(__name__)
 # SIGTERM): a repeat this soon after the first is the same request, not a "stop now".
 SIGNAL_REPEAT_GRACE_S = 2.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _stderr_fd() -> int:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return 2
 
 
 class TrainingStopped(RuntimeError):
@@ -101,9 +109,13 @@ class Trainer:
             signal.siginterrupt(sig, False)
         if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
             # `kill -USR1 <pid>` prints every thread's Python stack to stderr, even while the main
-            # thread is blocked in a collective: the first thing to look at in a hung run.
-            faulthandler.register(signal.SIGUSR1, all_threads=True)
-            self._dump_registered = True
+            # thread is blocked in a collective: the first thing to look at in a hung run. Written
+            # to the process's stderr descriptor (sys.stderr may be a captured stream with none).
+            try:
+                faulthandler.register(signal.SIGUSR1, file=_stderr_fd(), all_threads=True)
+                self._dump_registered = True
+            except (OSError, ValueError, RuntimeError) as err:  # a diagnostic aid never stops a run
+                logger.debug("no SIGUSR1 stack dump: %s", err)
         return previous
 
     def _restore_signal_handlers(self, previous: dict) -> None:
