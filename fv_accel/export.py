@@ -54,9 +54,11 @@ def _base_from_folder(folder: Path) -> dict[str, Any]:
             return json.loads(info.read_text())
         meta = candidate / "metadata.json"
         if meta.is_file():
-            student = json.loads(meta.read_text()).get("config", {}).get("models", {}).get("student", {})
+            run_config = json.loads(meta.read_text()).get("config", {})
+            student = run_config.get("models", {}).get("student", {})
             if student:
                 return {
+                    "attention": _attention_from_config(student, run_config.get("method", {})),
                     "init_from": student.get("init_from"),
                     "revision": student.get("revision"),
                     "subfolder": student.get("subfolder", "transformer"),
@@ -66,6 +68,19 @@ def _base_from_folder(folder: Path) -> dict[str, Any]:
                     "transformer_config": student.get("transformer_config"),
                 }
     return {}
+
+
+def _attention_from_config(student: dict[str, Any], method: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The saved-attention record of a checkpoint's run config (None: full attention)."""
+    from fv_accel.config import parse_chunk_size
+    from fv_accel.models.attention import CausalSpec, attention_record
+
+    if not student.get("causal"):
+        return None
+    spec = CausalSpec(
+        parse_chunk_size(method.get("chunk_size")), student.get("local_attn_size", -1), student.get("sink_size", 0)
+    )
+    return attention_record(spec)
 
 
 def find_source(path: str | Path) -> ExportSource:
@@ -124,9 +139,12 @@ def _transformer_class(st) -> tuple[type, dict]:
     return TRANSFORMER_CLASSES[kind], config
 
 
-def _save_transformer(transformer, out: Path) -> Path:
+def _save_transformer(transformer, out: Path, attention: Optional[dict[str, Any]] = None) -> Path:
+    from fv_accel.models.attention import mark_saved_attention
+
     target = out / "transformer"
     transformer.save_pretrained(target, safe_serialization=True)
+    mark_saved_attention(target / "config.json", attention)  # a causal student stays marked
     return target
 
 
@@ -160,7 +178,7 @@ def export_diffusers(src: ExportSource, out: Path) -> list[Path]:
     transformer.load_state_dict(state, strict=True)
     if len(dtypes) == 1:
         transformer.to(dtypes.pop())
-    return [_save_transformer(transformer, out)]
+    return [_save_transformer(transformer, out, src.base.get("attention"))]
 
 
 def export_comfyui(src: ExportSource, out: Path) -> list[Path]:
@@ -190,7 +208,7 @@ def export_merged(src: ExportSource, out: Path, *, base: Optional[str] = None, d
     transformer = load_transformer(st, TRANSFORMER_CLASSES, CLASS_NAME_TO_KIND)
     state, metadata = read_lora_file(src.lora_file)
     merge_lora(transformer, state, metadata)
-    return [_save_transformer(transformer, out)]
+    return [_save_transformer(transformer, out, src.base.get("attention"))]
 
 
 def export(path: str | Path, to: str, out: Optional[str | Path] = None, *, base: Optional[str] = None, dtype: Optional[str] = None) -> list[Path]:

@@ -447,3 +447,93 @@ def _metrics(tmp_path):
 
     path = tmp_path / "out" / "logs" / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_saved_causal_student_is_marked_and_reloading_without_causal_warns(tmp_path, tiny_data_path, caplog):
+    """The saved transformer loads in plain diffusers unchanged (the record is a private config key),
+    and fv_accel warns when a recipe would load those weights with full attention."""
+    import json
+
+    from diffusers import WanTransformer3DModel
+
+    from fv_accel.build import build_from_config
+    from fv_accel.export import export
+    from fv_accel.models.attention import SAVED_ATTENTION_KEY
+    from fv_accel.trainer import Trainer
+
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "method.chunk_size": 2,
+            "models.student.local_attn_size": 4,
+            "models.student.sink_size": 1,
+            "training.loop.max_train_steps": 2,
+            "training.data.data_path": tiny_data_path,
+            "training.checkpoint.training_state_checkpointing_steps": 1,
+            "training.checkpoint.save_final": True,
+        },
+    )
+    Trainer(build_from_config(CAUSAL_RECIPE, overrides)).run()
+    out = tmp_path / "out"
+    record = json.loads((out / "transformer" / "config.json").read_text())[SAVED_ATTENTION_KEY]
+    assert (record["causal"], record["block_size"], record["local_attn_size"], record["sink_size"]) == (True, 2, 4, 1)
+
+    with caplog.at_level(logging.INFO):
+        plain = WanTransformer3DModel.from_pretrained(out, subfolder="transformer")
+    # diffusers keeps the private key in the config, uses it for nothing and says nothing about it.
+    assert plain.config[SAVED_ATTENTION_KEY] == record
+    assert not any(SAVED_ATTENTION_KEY in r.getMessage() for r in caplog.records)
+
+    # Exported from the checkpoint of step 1: the same record, from the checkpoint's run config.
+    exported = export(out / "checkpoint-1", "diffusers", tmp_path / "export")[0]
+    assert json.loads((exported / "config.json").read_text())[SAVED_ATTENTION_KEY] == record
+
+    def load(**extra):
+        cfg = load_config(
+            CAUSAL_RECIPE,
+            {"models.student.init_from": str(out), "models.student.transformer_config": None, **extra},
+        )
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fv_accel.models.wan"):
+            WanStudent(cfg)
+        return [r.getMessage() for r in caplog.records]
+
+    # Fine-tuned on bidirectionally, the weights are saved without the causal record.
+    bidir = tmp_path / "bidir"
+    Trainer(build_from_config(CAUSAL_RECIPE, {
+        **overrides,
+        "training.checkpoint.output_dir": str(bidir),
+        "training.checkpoint.training_state_checkpointing_steps": 0,
+        "training.loop.max_train_steps": 1,
+        "models.student.causal": False,
+        "models.student.init_from": str(out),
+        "models.student.transformer_config": None,
+    })).run()
+    assert SAVED_ATTENTION_KEY not in json.loads((bidir / "transformer" / "config.json").read_text())
+
+    full = load(**{"models.student.causal": False})
+    assert len(full) == 1 and "loaded here with full attention" in full[0] and "method.chunk_size: 2" in full[0]
+    other = load(**{"method.chunk_size": 3})
+    assert len(other) == 1 and "this run uses block size 3, local_attn_size -1, sink_size 0" in other[0]
+    assert load(**{"method.chunk_size": 2, "models.student.local_attn_size": 4, "models.student.sink_size": 1}) == []
+
+
+def test_a_bidirectional_student_saves_no_attention_record(tmp_path, tiny_data_path):
+    import json
+
+    from fv_accel.build import build_from_config
+    from fv_accel.models.attention import SAVED_ATTENTION_KEY
+    from fv_accel.trainer import Trainer
+
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "models.student.causal": False,
+            "training.loop.max_train_steps": 1,
+            "training.data.data_path": tiny_data_path,
+            "training.checkpoint.save_final": True,
+        },
+    )
+    Trainer(build_from_config(CAUSAL_RECIPE, overrides)).run()
+    config = json.loads((tmp_path / "out" / "transformer" / "config.json").read_text())
+    assert config["_class_name"] == "WanTransformer3DModel" and SAVED_ATTENTION_KEY not in config

@@ -50,6 +50,70 @@ LAYOUTS = ("sequence", "teacher_forcing", "kv_cache")
 FLEX_BLOCK_SIZE = 128  # FlexAttention's default tile, in tokens
 
 
+# A saved causal student says so in its transformer's config.json under this private key:
+# diffusers passes `_`-prefixed keys to no constructor argument (so the folder loads unchanged, with
+# full attention) but keeps them in `model.config`, where fv_accel reads it back to warn when a
+# recipe would lose the causal mask.
+SAVED_ATTENTION_KEY = "_fv_accel_attention"
+
+
+def attention_record(spec: Optional["CausalSpec"]) -> Optional[dict]:
+    """The JSON description of a student's self-attention (None: full, diffusers' own)."""
+    if spec is None:
+        return None
+    return {
+        "causal": True,
+        "block_size": spec.block_size,
+        "local_attn_size": spec.local_attn_size,
+        "sink_size": spec.sink_size,
+        "note": "block-causal self-attention over latent frames; plain diffusers loads these weights with "
+        "full attention: load with fv_accel (models.student.causal: true, method.chunk_size: block_size)",
+    }
+
+
+def mark_saved_attention(config_path, record: Optional[dict]) -> None:
+    """Write a saved transformer's attention record into its config.json; for full attention, drop
+    a record inherited from the base model's config (a causal base fine-tuned bidirectionally)."""
+    import json
+    import os
+    from pathlib import Path
+
+    path = Path(config_path)
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if record is None:
+        if SAVED_ATTENTION_KEY not in config:
+            return
+        del config[SAVED_ATTENTION_KEY]
+    else:
+        config[SAVED_ATTENTION_KEY] = record
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def saved_attention_mismatch(saved: Optional[dict], spec: Optional["CausalSpec"], model_id: str) -> Optional[str]:
+    """A warning when the recipe's attention differs from the one the weights were trained with."""
+    if not saved or not saved.get("causal"):
+        return None
+    trained = (
+        f"block-causal attention (block size {saved.get('block_size')}, local_attn_size "
+        f"{saved.get('local_attn_size', -1)}, sink_size {saved.get('sink_size', 0)})"
+    )
+    if spec is None:
+        return (
+            f"model '{model_id}' was trained with {trained} but is loaded here with full attention: "
+            f"set models.student.causal: true and method.chunk_size: {saved.get('block_size')} to keep it causal"
+        )
+    if (spec.block_size, spec.local_attn_size, spec.sink_size) != (
+        saved.get("block_size"), saved.get("local_attn_size", -1), saved.get("sink_size", 0)
+    ):
+        return (
+            f"model '{model_id}' was trained with {trained}; this run uses block size {spec.block_size}, "
+            f"local_attn_size {spec.local_attn_size}, sink_size {spec.sink_size}"
+        )
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # What is visible: frame-level rules
 # --------------------------------------------------------------------------------------------

@@ -103,6 +103,7 @@ class WanStudent(ModelBase):
             self.causal_attention = install_causal_attention(
                 self.transformer, spec, self.student_config.causal_attention_backend
             )
+        self._check_saved_attention()
         # LoRA (peft): base frozen, adapter trainable in fp32; PiSSA's initial adapter is kept to
         # export against the original base (fv_accel/models/lora.py).
         self.lora_enabled = bool(self.student_config.lora.enable and trainable)
@@ -291,9 +292,25 @@ class WanStudent(ModelBase):
             )
         set_adapter_state_dict(module, trained_part_of_deployable(state, metadata, lora))
 
+    def causal_spec(self) -> Any:
+        return None if self.causal_attention is None else self.causal_attention.spec
+
+    def _check_saved_attention(self) -> None:
+        """Warn when the weights were saved causal and this recipe loads them otherwise."""
+        from fv_accel.models.attention import SAVED_ATTENTION_KEY, saved_attention_mismatch
+
+        saved = self.transformer.config.get(SAVED_ATTENTION_KEY)
+        where = self.student_config.init_from or "models.student.transformer_config"
+        message = saved_attention_mismatch(saved, self.causal_spec(), where)
+        if message:
+            logger.warning(message)
+
     def base_model_info(self) -> dict:
+        from fv_accel.models.attention import attention_record
+
         st = self.student_config
         return {
+            "attention": attention_record(self.causal_spec()),
             "init_from": st.init_from,
             "revision": st.revision,
             "subfolder": st.subfolder,
@@ -366,4 +383,7 @@ class WanStudent(ModelBase):
                 plain.load_state_dict(state_dict, strict=True, assign=True)
                 unwrapped = plain
             unwrapped.save_pretrained(out, safe_serialization=True)
+            from fv_accel.models.attention import attention_record, mark_saved_attention
+
+            mark_saved_attention(out / "config.json", attention_record(self.causal_spec()))
         accelerator.wait_for_everyone()
