@@ -114,3 +114,50 @@ def test_clipping_matches_torch_and_skips_the_pass_under_the_limit(monkeypatch, 
     assert len(passes) == (1 if limit_over_norm == 0.5 else 0)
     if limit_over_norm == 0.5:
         assert float(torch.nn.utils.get_total_norm([p.grad for p in ours])) == pytest.approx(max_norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "grad-checkpointing"])
+def test_blocks_modulate_per_frame_and_match_diffusers_per_token_blocks(checkpointing):
+    """The blocks get the [B, T, 6, D] projection (not diffusers' [B, S, 6, D] copy) and give
+    diffusers' values: equal outputs, gradients to fp32 summation order."""
+    student, tc = _student()
+    if checkpointing:
+        student.transformer.enable_gradient_checkpointing()
+    B, T, H, W = 2, 6, 6, 8
+    D = tc["num_attention_heads"] * tc["attention_head_dim"]
+    x = torch.randn(B, 16, T, H, W)
+    t = torch.rand(B, T) * 1000
+    tb = TrainingBatch(encoder_hidden_states=torch.randn(B, 12, tc["text_dim"]))
+    seen = []
+    handles = [
+        block.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[2].shape)))
+        for block in student.transformer.blocks
+    ]
+    try:
+        out_frames, grads_frames, _ = _step(student, x, t, tb, per_frame=True)
+        frames_seen, seen[:] = list(seen), []
+        out_tokens, grads_tokens, _ = _step(student, x, t, tb, per_frame=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    tokens = T * (H // 2) * (W // 2)
+    assert set(frames_seen) == {(B, T, 6, D)} and set(seen) == {(B, tokens, 6, D)}
+    assert torch.equal(out_frames, out_tokens)
+    for name, g in grads_tokens.items():
+        torch.testing.assert_close(grads_frames[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_per_sample_timesteps_run_diffusers_own_block_forward():
+    student, tc = _student()
+    x = torch.randn(2, 16, 3, 4, 4)
+    tb = TrainingBatch(encoder_hidden_states=torch.randn(2, 5, tc["text_dim"]))
+    block = student.transformer.blocks[0]
+    calls = []
+    original = block.forward.original
+    block.forward.original = lambda *args: calls.append(tuple(args[2].shape)) or original(*args)
+    try:
+        student.predict_noise(x, torch.tensor([10.0, 900.0]), tb)
+    finally:
+        block.forward.original = original
+    D = tc["num_attention_heads"] * tc["attention_head_dim"]
+    assert calls == [(2, 6, D)]

@@ -40,23 +40,44 @@ def build_transformer(cfg: StudentConfig) -> tuple[torch.nn.Module, str]:
     return transformer, CLASS_NAME_TO_KIND[type(transformer).__name__]
 
 
-class PerFrameTimeEmbedding:
-    """Embed per-frame timesteps once per frame instead of once per token.
+MODULATED_BLOCK_PARTS = ("scale_shift_table", "norm1", "attn1", "norm2", "attn2", "norm3", "ffn")
 
-    `WanTransformer3DModel` takes per-frame timesteps only per token and then runs its time MLP
-    (sinusoid -> linear -> SiLU -> linear -> 6x projection) on every token: tokens-per-frame times
-    the same numbers (+11% of the training FLOPs of configs/bench_small.yaml's 4-block, width-512
-    model; about 1% at the 1.3B architecture). While `tokens_per_frame` is set (by
-    `WanStudent.predict_noise`, whose per-token timesteps are per-frame ones repeated), hooks on the
-    condition embedder feed it one timestep per frame and repeat its outputs over the frame's tokens:
-    the same values and gradients, with the module tree (and state dict) unchanged.
+
+class PerFrameTimeEmbedding:
+    """Per-frame timesteps stay per frame inside a `WanTransformer3DModel`.
+
+    Diffusers' Wan takes per-frame timesteps only per token. It then runs its time MLP (sinusoid ->
+    linear -> SiLU -> linear -> 6x projection) on every token, tokens-per-frame times the same
+    numbers (+11% of the training FLOPs of configs/bench_small.yaml's 4-block, width-512 model;
+    about 1% at the 1.3B architecture), and every block adds its modulation table to a per-token
+    [B, S, 6, D] fp32 copy of the frame's projection (at the 1.3B architecture with 21 latent
+    frames of 480x832, 1.2 GB per block, read and written again by each of the 30 blocks).
+
+    While `tokens_per_frame` is set (by `WanStudent.predict_noise`, whose per-token timesteps are
+    per-frame ones repeated):
+    - hooks on the condition embedder feed it one timestep per frame; its time embedding (used once,
+      by the output norm) is repeated over the frame's tokens, its 6-way block projection is not;
+    - each block, given a per-frame projection [B, T, 6, D], applies shift/scale/gate broadcast over
+      the frame's tokens (a [B, T, H'W', D] view of its [B, S, D] activations) instead of per token.
+    The values are those of diffusers' per-token path (tests/test_step_cost.py: outputs equal,
+    gradients to fp32 summation order), with the module tree and state dict unchanged. A block
+    called with per-token or per-sample modulation (a pipeline, SkyReels-V2) runs diffusers' own
+    forward. `modulate_per_frame=False` keeps only the embedder part (a reference for the tests).
     """
 
-    def __init__(self, embedder: torch.nn.Module):
+    def __init__(self, transformer: torch.nn.Module, modulate_per_frame: bool = True):
         self.tokens_per_frame: Optional[int] = None
         self._repeat: Optional[int] = None
+        embedder = transformer.condition_embedder
         embedder.register_forward_pre_hook(self._to_frames, with_kwargs=True)
         embedder.register_forward_hook(self._to_tokens, with_kwargs=True)
+        blocks = list(getattr(transformer, "blocks", []))
+        self.modulate_per_frame = bool(modulate_per_frame) and bool(blocks) and all(
+            all(hasattr(block, part) for part in MODULATED_BLOCK_PARTS) for block in blocks
+        )
+        if self.modulate_per_frame:
+            for block in blocks:
+                block.forward = _PerFrameBlockForward(block, block.forward)
 
     def _to_frames(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
         self._repeat = None
@@ -72,8 +93,47 @@ class PerFrameTimeEmbedding:
         k, self._repeat = self._repeat, None
         if not k:
             return None
-        temb, timestep_proj, *rest = output  # [B, T, D], [B, T, 6D] -> per token (frame-major)
-        return (temb.repeat_interleave(k, dim=1), timestep_proj.repeat_interleave(k, dim=1), *rest)
+        temb, timestep_proj, *rest = output  # [B, T, D], [B, T, 6D]; tokens are frame-major
+        if not self.modulate_per_frame:
+            timestep_proj = timestep_proj.repeat_interleave(k, dim=1)
+        return (temb.repeat_interleave(k, dim=1), timestep_proj, *rest)
+
+
+class _PerFrameBlockForward:
+    """A Wan block's forward that takes its modulation per frame ([B, T, 6, D]) as well as diffusers'
+    per-token ([B, S, 6, D]) and per-sample ([B, 6, D]) forms; the last two go to the original."""
+
+    def __init__(self, block: torch.nn.Module, original: Any):
+        self.block = block
+        self.original = original
+
+    def __call__(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+        if temb.ndim != 4 or temb.shape[1] == hidden_states.shape[1]:
+            return self.original(hidden_states, encoder_hidden_states, temb, rotary_emb)
+        block = self.block
+        b, s, d = hidden_states.shape
+        frames = temb.shape[1]
+        if s % frames:
+            raise ValueError(f"{s} tokens do not split into {frames} frames of equal size")
+
+        def framed(x: torch.Tensor) -> torch.Tensor:  # [B, S, D] -> [B, T, H'W', D]
+            return x.reshape(b, frames, s // frames, d)
+
+        def tokens(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(b, s, d)
+
+        # [B, T, 6, D] + [1, 1, 6, D] -> six [B, T, 1, D], broadcast over each frame's tokens.
+        mod = (block.scale_shift_table.unsqueeze(0) + temb.float()).unsqueeze(2)
+        shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = mod.unbind(3)
+        x = hidden_states
+        norm = tokens(framed(block.norm1(x.float())) * (1 + scale_msa) + shift_msa).type_as(x)
+        attn = block.attn1(norm, None, None, rotary_emb)
+        x = tokens(framed(x.float()) + framed(attn) * gate_msa).type_as(x)
+        norm = block.norm2(x.float()).type_as(x)
+        x = x + block.attn2(norm, encoder_hidden_states, None, None)
+        norm = tokens(framed(block.norm3(x.float())) * (1 + c_scale_msa) + c_shift_msa).type_as(x)
+        ff = block.ffn(norm)
+        return tokens(framed(x.float()) + framed(ff.float()) * c_gate_msa).type_as(x)
 
 
 class WanStudent(ModelBase):
@@ -114,7 +174,7 @@ class WanStudent(ModelBase):
             self.pissa_init_adapter = apply_lora(self.transformer, self.student_config.lora)
         self.input_dtype = self.transformer.patch_embedding.weight.dtype
         self.per_frame_time_embedding = (
-            PerFrameTimeEmbedding(self.transformer.condition_embedder) if self.kind == "wan" else None
+            PerFrameTimeEmbedding(self.transformer) if self.kind == "wan" else None
         )
         if cfg.training.model.enable_gradient_checkpointing_type == "full":
             self.transformer.enable_gradient_checkpointing()
