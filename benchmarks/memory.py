@@ -58,6 +58,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", metavar="METHOD:MODE", help="the modes group as a list, e.g. sft:full-ckpt dfsft:full-ckpt sft:lora-ckpt (instead of --methods x --modes)")
     p.add_argument("--frames", nargs="+", type=int, default=[4, 8, 16, 32], help="latent frames T of the frames group")
     p.add_argument("--frames-modes", nargs="+", default=["full", "full-ckpt"], choices=list(MODES))
+    p.add_argument("--frames-methods", nargs="+", default=["sft"], choices=["sft", "dfsft"], help="methods of the frames group")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4], help="batch sizes of the batch group")
     p.add_argument("--steps", type=int, default=2, help="steps per configuration: memory is read on the first, time is the median of the others")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
@@ -204,9 +205,10 @@ def plan(args: argparse.Namespace) -> list[dict]:
         for method, mode in pairs:
             add("modes", f"{method} {mode}", mode, method, t0, b0)
     if "frames" in args.groups:
-        for mode in args.frames_modes:
-            for T in args.frames:
-                add("frames", f"sft {mode} T={T}", mode, "sft", T, b0)
+        for method in args.frames_methods:
+            for mode in args.frames_modes:
+                for T in args.frames:
+                    add("frames", f"{method} {mode} T={T}", mode, method, T, b0)
     if "batch" in args.groups:
         for batch in args.batches:
             add("batch", f"sft full batch={batch}", "full", "sft", t0, batch)
