@@ -48,14 +48,17 @@ def build_accelerator(cfg: RunConfig):
         # The launch config's choice wins; otherwise bf16 on an accelerator, fp32 on CPU.
         mp = None if os.environ.get("ACCELERATE_MIXED_PRECISION") else ("bf16" if torch.cuda.is_available() else "no")
     trackers = [t for t in cfg.training.tracker.trackers if t != "none"]
-    acc = Accelerator(
-        gradient_accumulation_steps=cfg.training.loop.gradient_accumulation_steps,
-        mixed_precision=mp,
-        log_with=trackers or None,
-        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
-        # The LR schedule counts optimizer steps, whatever the number of processes.
-        step_scheduler_with_optimizer=False,
-    )
+    from fv_accel.trainer import stop_signals_blocked_in_new_threads
+
+    with stop_signals_blocked_in_new_threads():  # the process group's threads never take SIGTERM
+        acc = Accelerator(
+            gradient_accumulation_steps=cfg.training.loop.gradient_accumulation_steps,
+            mixed_precision=mp,
+            log_with=trackers or None,
+            project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
+            # The LR schedule counts optimizer steps, whatever the number of processes.
+            step_scheduler_with_optimizer=False,
+        )
     check_gradient_accumulation(acc, cfg)
     return acc
 

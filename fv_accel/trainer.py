@@ -5,6 +5,7 @@ The trainer knows the loop and Accelerate, never a model's internals or a loss.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -15,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -27,6 +28,22 @@ logger = logging.getLogger(__name__)
 # SIGTERM): a repeat this soon after the first is the same request, not a "stop now".
 SIGNAL_REPEAT_GRACE_S = 2.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked_in_new_threads() -> Iterator[None]:
+    """Threads started inside this block (the collective library's worker and socket threads, at
+    process-group set-up) inherit a signal mask that blocks SIGTERM and SIGINT, so the kernel hands
+    those signals to the main thread, whose handler only sets a flag, never to a thread in the
+    middle of a socket read. A signal that arrives inside the block is delivered when it ends."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _stderr_fd() -> int:

@@ -28,6 +28,21 @@ def _signal_state(pid: int) -> str:
     return " ".join(line.replace("\t", "") for line in lines if line.startswith(keep)) + f" wchan:{wchan}"
 
 
+def thread_signal_masks(pid: int) -> list[tuple[int, str, int]]:
+    """(thread id, thread name, blocked-signal mask) of every thread of a process (Linux /proc);
+    the main thread's id is the pid."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            status = (task / "status").read_text().splitlines()
+        except OSError:  # the thread ended meanwhile
+            continue
+        mask = next(line.split()[1] for line in status if line.startswith("SigBlk:"))
+        out.append((int(task.name), name, int(mask, 16)))
+    return out
+
+
 def wait_or_diagnose(launcher: subprocess.Popen, timeout: float, log_path: Path) -> int:
     """`launcher.wait(timeout)`; on a timeout, ask every descendant for its stacks (the trainer
     dumps them on SIGUSR1), kill the whole tree and fail with what was seen."""

@@ -21,7 +21,7 @@ import fv_accel.trainer as trainer_module
 from fv_accel.checkpoint import latest_checkpoint, read_metadata
 from fv_accel.config import default_recipe, load_config
 from fv_accel.trainer import Trainer, TrainerCallback, TrainingStopped
-from tests.launch_helpers import free_port, kill_tree, wait_or_diagnose
+from tests.launch_helpers import free_port, kill_tree, thread_signal_masks, wait_or_diagnose
 from tests.resume_helpers import build, small_overrides, weights, write_latent_dataset
 
 REPO = Path(__file__).resolve().parent.parent
@@ -281,6 +281,23 @@ def test_second_signal_exits_at_once_but_a_relayed_copy_does_not(monkeypatch, ca
     assert "received SIGINT again: exiting now without a checkpoint" in err
 
 
+def test_threads_started_while_building_block_stop_signals_and_the_main_thread_does_not(tmp_path, latent_data):
+    import threading
+
+    from fv_accel.trainer import stop_signals_blocked_in_new_threads
+
+    seen = []
+    with stop_signals_blocked_in_new_threads():
+        thread = threading.Thread(target=lambda: seen.append(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+        thread.start()
+        thread.join()
+    assert {signal.SIGTERM, signal.SIGINT} <= seen[0]
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.SIGTERM not in before
+    build("finetune", small_overrides(tmp_path / "out", latent_data))
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+
+
 def test_sigusr1_dumps_every_threads_stack_while_training_and_is_restored_after(capfd, tmp_path):
     cfg = load_config(default_recipe("finetune"), {"training.checkpoint.output_dir": str(tmp_path)})
     fake_run = types.SimpleNamespace(accelerator=None, config=cfg, method=None, dataloader=None, start_step=0, callbacks=[])
@@ -354,6 +371,14 @@ def test_sigterm_to_one_rank_stops_both_and_their_checkpoints_replay_exactly(tmp
     workers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "train_dfsft.py" in " ".join(p.cmdline())]
     by_rank = {int(p.environ()["RANK"]): p for p in workers}
     assert sorted(by_rank) == [0, 1]
+    # gloo's socket and worker threads block SIGTERM (started under the mask the build sets), so
+    # the signal goes to a thread whose handler only sets the stop flag.
+    masks = thread_signal_masks(by_rank[1].pid)
+    term = 1 << (signal.SIGTERM - 1)
+    gloo = [mask for _, name, mask in masks if "gloo" in name]
+    assert gloo and all(mask & term for mask in gloo), masks
+    main_thread = [mask for tid, _, mask in masks if tid == by_rank[1].pid]
+    assert main_thread == [main_thread[0]] and not main_thread[0] & term, masks
     by_rank[1].send_signal(signal.SIGTERM)
     assert wait_or_diagnose(launcher, 240, log_a) == 0, log_a.read_text()[-3000:]
     text = log_a.read_text()
