@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -412,3 +413,42 @@ def test_sigterm_to_one_rank_stops_both_and_their_checkpoints_replay_exactly(tmp
     saved = {k.removeprefix("module."): v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
     assert final.keys() == saved.keys()
     assert all(torch.equal(final[k], saved[k]) for k in final)
+
+
+@pytest.mark.parametrize("outcome,code", [("ok", 0), ("stopped", 1), ("crash", 1)])
+def test_multi_process_entry_ends_without_interpreter_teardown(monkeypatch, capfd, outcome, code):
+    """A multi-process run ends with os._exit after flushing (the gloo teardown can deadlock; see
+    fv_accel.cli.exit_without_teardown); a single-process run returns normally and raises as usual."""
+    import fv_accel.build
+    import fv_accel.cli as cli
+
+    class FakeTrainer:
+        def __init__(self, run):
+            pass
+
+        def run(self):
+            if outcome == "stopped":
+                raise TrainingStopped("nan at step 3", None)
+            if outcome == "crash":
+                raise RuntimeError("boom in step 7")
+
+    exits = []
+    monkeypatch.setattr(fv_accel.build, "build_from_config", lambda cfg: types.SimpleNamespace(
+        accelerator=types.SimpleNamespace(num_processes=2)))
+    monkeypatch.setattr(trainer_module, "Trainer", FakeTrainer)
+    monkeypatch.setattr(os, "_exit", exits.append)
+    monkeypatch.setattr(logging, "shutdown", lambda: None)  # keep pytest's own log handlers open
+    cli.main("finetune", [])
+    assert exits == [code]
+    if outcome == "crash":
+        assert "RuntimeError: boom in step 7" in capfd.readouterr().err
+
+    exits.clear()
+    monkeypatch.setattr(fv_accel.build, "build_from_config", lambda cfg: types.SimpleNamespace(
+        accelerator=types.SimpleNamespace(num_processes=1)))
+    if outcome == "crash":
+        with pytest.raises(RuntimeError, match="boom in step 7"):
+            cli.main("finetune", [])
+    else:
+        assert cli.main("finetune", []) == code
+    assert exits == []
