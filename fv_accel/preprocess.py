@@ -668,4 +668,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    from accelerate import PartialState
+
+    if PartialState._shared_state and PartialState().num_processes > 1:
+        # Skip the interpreter teardown after a sharded run (gloo teardown deadlock, see there).
+        from fv_accel.cli import exit_without_teardown
+
+        exit_without_teardown(exit_code)
+    sys.exit(exit_code)

@@ -16,6 +16,7 @@ import torch
 from fv_accel.data.tiny import render_clip, tiny_clip_specs
 from fv_accel.data.video import FrameSampling, write_video
 from fv_accel.preprocess import InputError, main, preprocess
+from tests.launch_helpers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -334,6 +335,7 @@ def test_two_processes_shard_the_clips_into_one_dataset(five_clips, tiny_model_d
     cmd = [
         str(REPO / ".venv" / "bin" / "accelerate") if (REPO / ".venv" / "bin" / "accelerate").exists() else "accelerate",
         "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+        "--main_process_port", str(free_port()),
         "--dynamo_backend", "no", "-m", "fv_accel.preprocess",
         "--model", str(tiny_model_dir), "--input", str(five_clips), "--output", str(tmp_path / "two"),
         "--num_frames", "9", "--buckets", "32x32", "--shard_size", "1", "--dtype", "float32",
