@@ -669,9 +669,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     exit_code = main()
-    from accelerate import PartialState
+    import torch.distributed as dist
 
-    if PartialState._shared_state and PartialState().num_processes > 1:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # Skip the interpreter teardown after a sharded run (gloo teardown deadlock, see there).
         from fv_accel.cli import exit_without_teardown
 

@@ -62,17 +62,17 @@ class PerFrameTimeEmbedding:
     The values are those of diffusers' per-token path (tests/test_step_cost.py: outputs equal,
     gradients to fp32 summation order), with the module tree and state dict unchanged. A block
     called with per-token or per-sample modulation (a pipeline, SkyReels-V2) runs diffusers' own
-    forward. `modulate_per_frame=False` keeps only the embedder part (a reference for the tests).
+    forward; a transformer whose blocks lack those parts gets the embedder part only.
     """
 
-    def __init__(self, transformer: torch.nn.Module, modulate_per_frame: bool = True):
+    def __init__(self, transformer: torch.nn.Module):
         self.tokens_per_frame: Optional[int] = None
         self._repeat: Optional[int] = None
         embedder = transformer.condition_embedder
         embedder.register_forward_pre_hook(self._to_frames, with_kwargs=True)
         embedder.register_forward_hook(self._to_tokens, with_kwargs=True)
         blocks = list(getattr(transformer, "blocks", []))
-        self.modulate_per_frame = bool(modulate_per_frame) and bool(blocks) and all(
+        self.modulate_per_frame = bool(blocks) and all(
             all(hasattr(block, part) for part in MODULATED_BLOCK_PARTS) for block in blocks
         )
         if self.modulate_per_frame:
