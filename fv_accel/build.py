@@ -202,7 +202,7 @@ def resolve_data_path(cfg: RunConfig, accelerator) -> str:
     path = cfg.training.data.data_path
     if path != "tiny":
         return path
-    from fv_accel.data.tiny import ensure_tiny_dataset
+    from fv_accel.tiny.data import ensure_tiny_dataset
 
     with accelerator.main_process_first():
         return str(ensure_tiny_dataset(cfg.training.data))

@@ -412,7 +412,7 @@ def preprocess(
     main process (rank 0) writes skipped.jsonl and fv_dataset.json. `on_clip_done(clip, status)`
     is called after each clip ("encoded", "reused" or "skipped").
     """
-    from fv_accel.data.encode import TEXT_MAX_LENGTH
+    from fv_accel.models.encoders import TEXT_MAX_LENGTH
 
     t0 = time.perf_counter()
     if shard_size < 1:
@@ -438,7 +438,7 @@ def preprocess(
     def get_encoder():
         nonlocal encoder
         if encoder is None:
-            from fv_accel.data.encode import TextVideoEncoder
+            from fv_accel.models.encoders import TextVideoEncoder
 
             encoder = TextVideoEncoder(model, device=device, dtype=dtype, revision=revision, vae_tiling=vae_tiling)
         return encoder
@@ -673,7 +673,7 @@ if __name__ == "__main__":
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # Skip the interpreter teardown after a sharded run (gloo teardown deadlock, see there).
-        from fv_accel.cli import exit_without_teardown
+        from fv_accel.process import exit_without_teardown
 
         exit_without_teardown(exit_code)
     sys.exit(exit_code)

@@ -215,7 +215,7 @@ def resolve_heldout_path(cfg: Any, accelerator: Any = None) -> Optional[str]:
     val = cfg.callbacks.validation
     if val.heldout_data_path != "tiny":
         return val.heldout_data_path
-    from fv_accel.data.tiny import ensure_tiny_dataset
+    from fv_accel.tiny.data import ensure_tiny_dataset
 
     data = dataclasses.replace(
         cfg.training.data, seed=cfg.training.data.seed + 1, tiny_num_clips=val.heldout_max_samples
@@ -360,7 +360,7 @@ class HeldoutLossCallback(TrainerCallback):
 
     def evaluate(self, trainer: Any) -> dict[str, float]:
         """Mean loss per evaluation over the held-out clips; identical on every rank."""
-        from fv_accel.methods.base import sample_generator_seed
+        from fv_accel.seeding import sample_generator_seed
         from fv_accel.methods.fine_tuning.finetune import flow_matching_loss
         from fv_accel.models.base import TrainingBatch
 

@@ -40,7 +40,7 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_data_path(_cache_dir):
     """The built-in tiny dataset (Parquet in FastVideo's schema), built once per session."""
     from fv_accel.config import default_recipe, load_config
-    from fv_accel.data.tiny import ensure_tiny_dataset
+    from fv_accel.tiny.data import ensure_tiny_dataset
 
     cfg = load_config(default_recipe("finetune"))
     return str(ensure_tiny_dataset(cfg.training.data))

@@ -161,7 +161,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     main(sys.argv[1])
     # Like the entry scripts: skip the interpreter teardown that can deadlock in gloo
-    # (fv_accel.cli.exit_without_teardown); every record is written and closed by now.
-    from fv_accel.cli import exit_without_teardown
+    # (fv_accel.process.exit_without_teardown); every record is written and closed by now.
+    from fv_accel.process import exit_without_teardown
 
     exit_without_teardown(0)

@@ -418,7 +418,7 @@ def test_sigterm_to_one_rank_stops_both_and_their_checkpoints_replay_exactly(tmp
 @pytest.mark.parametrize("outcome,code", [("ok", 0), ("stopped", 1), ("crash", 1)])
 def test_multi_process_entry_ends_without_interpreter_teardown(monkeypatch, capfd, outcome, code):
     """A multi-process run ends with os._exit after flushing (the gloo teardown can deadlock; see
-    fv_accel.cli.exit_without_teardown); a single-process run returns normally and raises as usual."""
+    fv_accel.process.exit_without_teardown); a single-process run returns normally and raises as usual."""
     import fv_accel.build
     import fv_accel.cli as cli
 

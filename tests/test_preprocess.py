@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fv_accel.data.tiny import render_clip, tiny_clip_specs
+from fv_accel.tiny.data import render_clip, tiny_clip_specs
 from fv_accel.data.video import FrameSampling, write_video
 from fv_accel.preprocess import InputError, main, preprocess
 from tests.launch_helpers import free_port
@@ -87,7 +87,7 @@ def test_frame_sampling_stride_fps_start_and_buckets(tmp_path):
 
 @pytest.fixture(scope="module")
 def encoder(tiny_model_dir):
-    from fv_accel.data.encode import TextVideoEncoder
+    from fv_accel.models.encoders import TextVideoEncoder
 
     return TextVideoEncoder(str(tiny_model_dir), device=CPU)
 
@@ -307,7 +307,7 @@ def test_preprocessed_folder_trains_with_both_methods(five_clips, encoder, tmp_p
 
 def test_tiny_default_starts_from_mp4_files(tiny_data_path):
     from fv_accel.config import default_recipe, load_config
-    from fv_accel.data.tiny import ensure_tiny_dataset
+    from fv_accel.tiny.data import ensure_tiny_dataset
 
     latents = Path(tiny_data_path)
     videos = sorted((latents.parent / "videos").glob("*.mp4"))

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from fv_accel.data.schema import REQUIRED_COLUMNS, bytes_to_tensor, parquet_files
-from fv_accel.methods.base import sample_generator_seed
+from fv_accel.seeding import sample_generator_seed
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Any, Literal, Union
 
 import torch
@@ -11,14 +10,9 @@ from accelerate import PartialState
 from diffusers.optimization import get_scheduler
 
 from fv_accel.models.base import ModelBase
+from fv_accel.seeding import sample_generator_seed
 
 LogScalar = Union[float, int]
-
-
-def sample_generator_seed(seed: int, epoch: int, sample_index: int) -> int:
-    """A stable 63-bit seed for one sample's draws (`noise_rng: sample`)."""
-    digest = hashlib.blake2b(f"{seed}/{epoch}/{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 class TrainingMethod:

@@ -1,0 +1,104 @@
+"""The package's imports point one way (DESIGN.md): no cycle, function-level imports included, and
+the lower layers never reach up (data below models below methods)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "fv_accel"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the fv_accel modules it imports anywhere in its body (module or function level)."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        edges: set[str] = set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                # `from pkg import sub` imports the submodule when there is one.
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            for target in targets:
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target.startswith("fv_accel") and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+def test_graph_sees_function_level_imports():
+    graph = import_graph()
+    # fv_accel/build.py imports the methods inside build_from_config only.
+    assert "fv_accel.methods" in graph["fv_accel.build"]
+    assert "fv_accel.seeding" in graph["fv_accel.data.loader"]
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_lower_layers_never_import_upper_ones():
+    graph = import_graph()
+    upper = {
+        # layer prefix: what it must never import
+        "fv_accel.data": ("fv_accel.methods", "fv_accel.models", "fv_accel.build", "fv_accel.trainer",
+                          "fv_accel.validation", "fv_accel.tiny", "fv_accel.cli", "fv_accel.schedulers"),
+        "fv_accel.schedulers": ("fv_accel.methods", "fv_accel.models", "fv_accel.build", "fv_accel.trainer"),
+        "fv_accel.models": ("fv_accel.methods", "fv_accel.build", "fv_accel.trainer", "fv_accel.validation"),
+        "fv_accel.methods": ("fv_accel.build", "fv_accel.trainer", "fv_accel.validation"),
+        "fv_accel.trainer": ("fv_accel.methods", "fv_accel.models", "fv_accel.build"),
+    }
+    bad = [
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for layer, forbidden in upper.items()
+        if module == layer or module.startswith(layer + ".")
+        for target in targets
+        if any(target == f or target.startswith(f + ".") for f in forbidden)
+    ]
+    assert not bad, "\n".join(bad)
