@@ -58,9 +58,19 @@ def build_accelerator(cfg: RunConfig):
             project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
             # The LR schedule counts optimizer steps, whatever the number of processes.
             step_scheduler_with_optimizer=False,
+            kwargs_handlers=ddp_kwargs(cfg),
         )
     check_gradient_accumulation(acc, cfg)
     return acc
+
+
+def ddp_kwargs(cfg: RunConfig) -> list:
+    """Both Wan 2.2 experts in one run: a step may use only one of them, which DDP must be told."""
+    if cfg.models.student.expert != "both":
+        return []
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    return [DistributedDataParallelKwargs(find_unused_parameters=True)]
 
 
 def check_gradient_accumulation(acc, cfg: RunConfig) -> None:
@@ -280,6 +290,7 @@ def build_from_config(
     from fv_accel.data.loader import build_train_loader
     from fv_accel.methods import METHODS
     from fv_accel.models import build_student
+    from fv_accel.optim import build_lr_scheduler, build_optimizer
 
     cfg = path_or_dict if isinstance(path_or_dict, RunConfig) else load_config(path_or_dict, overrides)
     # Everything that can be wrong with the recipe, the data or the output folder is checked before
@@ -299,6 +310,8 @@ def build_from_config(
     student = build_student(cfg)
     student.attach_accelerator(acc)
     method = METHODS[cfg.method.name](cfg=cfg, role_models={"student": student})
+    method.optimizer = build_optimizer(cfg, student.trainable_parameters())
+    method.lr_scheduler = build_lr_scheduler(cfg, method.optimizer)
     from fv_accel.validation import training_exclusions
 
     heldout_rows = training_exclusions(cfg, data_path)

@@ -62,6 +62,11 @@ class StudentConfig:
     causal_attention_backend: Literal["auto", "flex", "chunked"] = "auto"
     local_attn_size: int = -1
     sink_size: int = 0
+    # Wan 2.2 A14B (two experts split at the repo's boundary_ratio): the one this run trains.
+    expert: Optional[Literal["high_noise", "low_noise", "both"]] = None
+    # What the student is trained for: t2v, i2v (first-frame condition), auto (i2v for
+    # image-to-video models, t2v otherwise; Wan2.2-TI2V-5B does both, t2v unless set).
+    task: Literal["auto", "t2v", "i2v"] = "auto"
 
 
 @dataclass

@@ -189,7 +189,18 @@ def export_comfyui(src: ExportSource, out: Path) -> list[Path]:
             f"{src.path}: the ComfyUI export is for LoRA runs; a full fine-tune exports with --to diffusers"
         )
     state, metadata = read_lora_file(src.lora_file)
-    return [save_comfyui_lora(out / COMFYUI_LORA_FILE, state, metadata)]
+    return [save_comfyui_lora(out / COMFYUI_LORA_FILE, state, metadata, _family(src.base).comfyui_module_name)]
+
+
+def _family(base: dict[str, Any]) -> type:
+    """The model family of a run's base (`model_class` in base_model.json / the checkpoint's config)."""
+    from fv_accel.models import FAMILIES
+
+    kind = base.get("model_class") or "wan"
+    for family in FAMILIES.values():
+        if kind in family.transformer_classes:
+            return family
+    raise ExportError(f"model_class {kind!r} of the run's base belongs to no known model family")
 
 
 def export_merged(src: ExportSource, out: Path, *, base: Optional[str] = None, dtype: Optional[str] = None) -> list[Path]:

@@ -41,6 +41,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from fv_accel.models.base import Conditioning
 from fv_accel.trainer import TrainerCallback
 
 logger = logging.getLogger(__name__)
@@ -274,7 +275,7 @@ def _is_due(trainer: Any, step: int, every: int) -> bool:
 
 def chunk_size_of(method: Any) -> Optional[int]:
     """The chunk size of a diffusion-forcing method, None for plain fine-tuning."""
-    return getattr(method, "_chunk_size", None)
+    return method.chunk_size
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,6 +309,18 @@ def chunk_pattern_sigmas(pattern: Union[str, Sequence[float]], num_chunks: int, 
 
 def _pattern_name(pattern: Union[str, Sequence[float]]) -> str:
     return pattern if isinstance(pattern, str) else "sigmas_" + "_".join(f"{float(v):.2f}" for v in pattern)
+
+
+def collate_one(item: dict) -> dict:
+    """A one-sample batch of a dataset item (tensors get a batch dimension)."""
+    return {k: v[None] if isinstance(v, torch.Tensor) else v for k, v in item.items()}
+
+
+def _with_clean_frames(idx: torch.Tensor, cond: Any) -> torch.Tensor:
+    """Per-frame indices [1, T'] of the noised frames, with the clean condition frames (-1) in front."""
+    if not cond.clean_frames:
+        return idx
+    return torch.cat([idx.new_full((idx.shape[0], cond.clean_frames), -1), idx], dim=1)
 
 
 class HeldoutLossCallback(TrainerCallback):
@@ -361,45 +374,33 @@ class HeldoutLossCallback(TrainerCallback):
     def evaluate(self, trainer: Any) -> dict[str, float]:
         """Mean loss per evaluation over the held-out clips; identical on every rank."""
         from fv_accel.seeding import sample_generator_seed
-        from fv_accel.methods.fine_tuning.finetune import flow_matching_loss
-        from fv_accel.models.base import TrainingBatch
 
         acc = trainer.accelerator
-        chunk_size = chunk_size_of(trainer.method)
+        method = trainer.method
+        chunk_size = chunk_size_of(method)
         world, rank = acc.num_processes, acc.process_index
         # Every rank runs the same number of forwards (sharded engines need it): pad with weight 0.
         per_rank = math.ceil(len(self.rows) / world)
         sums: Optional[torch.Tensor] = None
         keys: list[str] = []
         with evaluation_mode(trainer) as student:
-            table = student.table
             device = acc.device
             for slot in range(rank, per_rank * world, world):
                 real = slot < len(self.rows)
                 row = self.rows[slot] if real else self.rows[0]
-                item = self.dataset[(row, 0, 0)]
-                latents = student.normalize_latents(item["vae_latent"][None].to(device, torch.float32))
+                batch = collate_one(self.dataset[(row, 0, 0)])
+                latents = student.clean_latents(batch)
+                cond = student.build_conditioning(batch)
                 # Fixed noise per clip, drawn on the CPU: the same numbers on any device and rank count.
                 g = torch.Generator().manual_seed(sample_generator_seed(self.seed, 0, row))
                 noise = torch.randn(latents.shape, generator=g, dtype=torch.float32).to(device)
-                tb = TrainingBatch(
-                    encoder_hidden_states=item["text_embedding"][None].to(device),
-                    encoder_attention_mask=item["text_attention_mask"][None].to(device),
-                )
-                evals = self._evaluations(table, latents.shape[2], chunk_size)
+                evals = self._evaluations(method.table, latents.shape[2] - cond.clean_frames, chunk_size)
                 if sums is None:
                     keys = [k for k, _ in evals]
                     sums = torch.zeros(len(evals), dtype=torch.float64, device=device)
                 for j, (_, idx) in enumerate(evals):
-                    idx = idx.to(device)[None]  # [1] or [1, T]
-                    sigmas, timesteps = table.sigmas_at(idx), table.timesteps_at(idx)
-                    if chunk_size is None:
-                        sigmas, timesteps = sigmas[0], timesteps[0]
-                    noisy = table.add_noise(latents, noise, sigmas)
-                    pred = student.predict_noise(noisy, timesteps, tb, conditional=True)
-                    loss = flow_matching_loss(
-                        pred, latents, noisy, noise, sigmas, precondition_outputs=self.precondition
-                    )
+                    idx = idx.to(device) if chunk_size is None else _with_clean_frames(idx.to(device)[None], cond)
+                    loss = method.heldout_loss(latents, noise, idx, cond)
                     if real:
                         sums[j] += loss.double()
         assert sums is not None  # every rank has per_rank >= 1 slots (the held-out set is never empty)
@@ -469,6 +470,15 @@ def sampling_model_source(cfg: Any, data_path: Optional[str]) -> Optional[str]:
     return None
 
 
+def vae_scale_factors(model_source: Optional[str]) -> tuple[int, int]:
+    """(spatial, temporal) compression of the model's VAE (Wan 2.1: 8, 4; Wan 2.2 TI2V: 16, 4)."""
+    from fv_accel.models.loading import fetch_config
+
+    config = fetch_config(model_source, "vae", required=False) if model_source else None
+    config = config or {}
+    return int(config.get("scale_factor_spatial") or 8), int(config.get("scale_factor_temporal") or 4)
+
+
 def default_video_size(data_path: str, spatial: int = 8, temporal: int = 4) -> tuple[int, int, int]:
     """(height, width, frames) of the first training clip, from its latent shape."""
     from fv_accel.data.loader import LatentDataset
@@ -530,8 +540,9 @@ class VideoSamplingCallback(TrainerCallback):
             entries += read_prompt_file(val.prompt_file)
             where = f"{where} + {val.prompt_file}"
         height, width, frames = val.height, val.width, val.num_frames
+        self.model_source = sampling_model_source(cfg, data_path)
         if None in (height, width, frames) and data_path:
-            dh, dw, df = default_video_size(data_path)
+            dh, dw, df = default_video_size(data_path, *vae_scale_factors(self.model_source))
             height, width, frames = height or dh, width or dw, frames or df
         defaults = dict(
             negative_prompt=val.negative_prompt,
@@ -543,7 +554,6 @@ class VideoSamplingCallback(TrainerCallback):
             seed=val.seed,
         )
         self.prompts = resolve_prompts(entries, defaults, where)
-        self.model_source = sampling_model_source(cfg, data_path)
         if self.prompts and not self.model_source:
             # Held-out loss still works; only the videos need a VAE and a text encoder.
             logger.warning(
@@ -551,9 +561,12 @@ class VideoSamplingCallback(TrainerCallback):
                 "no init_from and the dataset records no model); set callbacks.validation.model_from"
             )
             self.prompts = []
+        self.data_path = data_path
         self.vae = None
         self.embeddings: dict[str, torch.Tensor] = {}
         self.written: list[Path] = []
+        # An image-to-video student samples from the first frame of a training clip (see _load).
+        self.condition: Optional[dict] = None
 
     def _samples_here(self, acc: Any) -> bool:
         # Sharded weights need every rank in each forward; otherwise the main process samples alone.
@@ -588,6 +601,25 @@ class VideoSamplingCallback(TrainerCallback):
                 self.embeddings[text] = embeds.float().cpu()
         del pipe, text_encoder, tokenizer
         self.vae = vae.eval().requires_grad_(False)
+        if trainer.method.student.capabilities.image_conditioning:
+            self._load_condition(spatial=int(getattr(vae.config, "scale_factor_spatial", 8)),
+                                 temporal=int(getattr(vae.config, "scale_factor_temporal", 4)))
+
+    def _load_condition(self, *, spatial: int, temporal: int) -> None:
+        """The first clip of the training data conditions every image-to-video sample; the samples
+        take its size (the condition fixes it)."""
+        import dataclasses
+
+        from fv_accel.data.loader import LatentDataset
+
+        self.condition = collate_one(LatentDataset(self.data_path)[(0, 0, 0)])
+        _, t, h, w = self.condition["vae_latent"].shape[1:]
+        size = dict(height=h * spatial, width=w * spatial, num_frames=(t - 1) * temporal + 1)
+        self.prompts = [dataclasses.replace(p, **size) for p in self.prompts]
+        logger.info(
+            "image-to-video samples start from the first frame of %s row 0 (%dx%d, %d frames)",
+            self.data_path, size["height"], size["width"], size["num_frames"],
+        )
 
     def on_train_start(self, trainer: Any) -> None:
         if not self.prompts:
@@ -602,8 +634,9 @@ class VideoSamplingCallback(TrainerCallback):
             self.sample(trainer, step)
 
     def _sample_latents(self, trainer: Any, student: Any, p: SamplePrompt) -> torch.Tensor:
-        from fv_accel.models.base import TrainingBatch
-        from fv_accel.sampling import latent_frames, sample_diffusion_forcing, sample_wan_pipeline
+        import dataclasses
+
+        from fv_accel.sampling import latent_frames, sample_diffusion_forcing
 
         device = trainer.accelerator.device
         text = self.embeddings[p.prompt].to(device)
@@ -614,12 +647,13 @@ class VideoSamplingCallback(TrainerCallback):
         spatial = int(getattr(self.vae.config, "scale_factor_spatial", 8))
         temporal = int(getattr(self.vae.config, "scale_factor_temporal", 4))
         shape = (1, student.in_channels, latent_frames(p.num_frames, temporal), p.height // spatial, p.width // spatial)
-        if chunk_size is None and getattr(student, "kind", None) == "wan":
-            return sample_wan_pipeline(
-                student.transformer,
+        condition = self.condition
+        if chunk_size is None:
+            # The family's own diffusers pipeline, where it has one for this student.
+            latents = student.sample_latents(
                 self.vae,
                 text,
-                negative_prompt_embeds=negative,
+                negative,
                 height=p.height,
                 width=p.width,
                 num_frames=p.num_frames,
@@ -627,14 +661,26 @@ class VideoSamplingCallback(TrainerCallback):
                 guidance_scale=p.guidance_scale,
                 shift=self.val.sampling_flow_shift,
                 generator=generator,
+                first_frame=None if condition is None else condition["pil_image"][0].numpy(),
+                image_features=None if condition is None else condition.get("clip_feature"),
             )
+            if latents is not None:
+                return latents
         noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
+        base = student.build_conditioning(condition) if condition is not None else None
+        clean = base.clean_frames if base is not None else 0
+        first = student.clean_latents(condition)[:, :, :clean] if clean else None
 
         def predict(x: torch.Tensor, t: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-            return student.predict_noise(x, t, TrainingBatch(encoder_hidden_states=emb))
+            if base is None:
+                return student.forward(x, t, Conditioning(text=emb))
+            if clean:  # the condition frames stay the clean first frame at t = 0
+                x, t = x.clone(), t.clone()
+                x[:, :, :clean], t[:, :clean] = first, 0.0
+            return student.forward(x, t, dataclasses.replace(base, text=emb))
 
         # Without a chunk size (a fine-tuned non-Wan student) the whole clip is one chunk.
-        return sample_diffusion_forcing(
+        x = sample_diffusion_forcing(
             predict,
             noise,
             text,
@@ -648,6 +694,9 @@ class VideoSamplingCallback(TrainerCallback):
             generator=generator,
             causal=getattr(student, "causal_block_size", None) is not None,
         )
+        if clean:
+            x[:, :, :clean] = first
+        return x
 
     def sample(self, trainer: Any, step: int) -> list[Path]:
         """Render every prompt; the main process writes mp4s and logs them. Returns the paths."""

@@ -9,7 +9,7 @@ from fv_accel.config import default_recipe, load_config
 from fv_accel.methods import DiffusionForcingSFTMethod, FineTuneMethod
 from fv_accel.methods.fine_tuning.dfsft import parse_chunk_size, parse_timestep_index_range
 from fv_accel.methods.fine_tuning.finetune import flow_matching_loss
-from fv_accel.models import WanStudent
+from fv_accel.models import Capabilities, WanStudent
 from fv_accel.schedulers import FlowMatchTable
 
 
@@ -107,8 +107,9 @@ def test_methods_require_trainable_student():
 def test_dfsft_refuses_a_student_without_per_frame_timesteps():
     cfg = make_cfg("dfsft")
     student = WanStudent(cfg)
-    student.supports_per_frame_timesteps = False  # e.g. HunyuanVideo / CogVideoX: [B] only
-    with pytest.raises(ValueError, match="per-frame timesteps"):
+    # e.g. HunyuanVideo / CogVideoX: [B] only
+    student.capabilities = Capabilities(per_frame_timesteps=False, causal_attention=True)
+    with pytest.raises(ValueError, match="per-frame timesteps; the wan family's WanTransformer3DModel does not"):
         DiffusionForcingSFTMethod(cfg=cfg, role_models={"student": student})
 
 
@@ -167,7 +168,7 @@ def test_dfsft_loss_by_hand(precondition):
     loss_map, outputs, _ = m.single_train_step(batch, 0)
     tb = outputs["training_batch"]
     with torch.no_grad():
-        pred = m.student.predict_noise(tb.noisy_model_input, tb.timesteps, tb)
+        pred = m.student.predict_noise(tb.latents, tb.timesteps, tb)
     w = FlowMatchTable(3.0).dfsft_weights("index")
     hand = 0.0
     for b in range(2):
@@ -235,15 +236,15 @@ def test_equal_per_frame_timesteps_match_scalar_timestep(model_class):
     scalar = torch.tensor([400.0, 730.0])
     per_frame = scalar[:, None].expand(2, 4).contiguous()
     with torch.no_grad():
-        a = student.predict_noise(tb.noisy_model_input, scalar, tb)
-        b = student.predict_noise(tb.noisy_model_input, per_frame, tb)
+        a = student.predict_noise(tb.latents, scalar, tb)
+        b = student.predict_noise(tb.latents, per_frame, tb)
     assert a.shape == (2, 16, 4, 4, 4)
     assert torch.allclose(a, b, atol=1e-5), float((a - b).abs().max())
     # and different per-frame timesteps do change the prediction
     varied = per_frame.clone()
     varied[:, -1] = 10.0
     with torch.no_grad():
-        c = student.predict_noise(tb.noisy_model_input, varied, tb)
+        c = student.predict_noise(tb.latents, varied, tb)
     assert not torch.allclose(a, c, atol=1e-4)
 
 
@@ -253,7 +254,7 @@ def test_per_frame_timesteps_of_wrong_shape_are_rejected():
     student.init_preprocessors(cfg.training)
     tb = student.prepare_batch(fake_batch(b=1, t=4, h=4, w=4), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="per-frame timesteps"):
-        student.predict_noise(tb.noisy_model_input, torch.zeros(1, 3), tb)
+        student.predict_noise(tb.latents, torch.zeros(1, 3), tb)
 
 
 def test_latent_normalisation_uses_recipe_statistics():

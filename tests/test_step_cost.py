@@ -26,16 +26,16 @@ def _student():
 
 
 def _step(student, x, t, tb, *, per_frame: bool):
-    saved = student.per_frame_time_embedding
+    saved = student.per_frame_time_embeddings
     if not per_frame:
-        student.per_frame_time_embedding = None  # diffusers' own per-token path
+        student.per_frame_time_embeddings = []  # diffusers' own per-token path
     student.transformer.zero_grad(set_to_none=True)
     try:
         with FlopCounterMode(display=False) as counter:
             out = student.predict_noise(x, t, tb)
             out.pow(2).mean().backward()
     finally:
-        student.per_frame_time_embedding = saved
+        student.per_frame_time_embeddings = saved
     grads = {n: p.grad.clone() for n, p in student.transformer.named_parameters()}
     return out.detach(), grads, counter.get_total_flops()
 
@@ -61,7 +61,7 @@ def test_per_frame_embedding_matches_per_token_path_with_fewer_flops():
     forward = 2 * (f * D + D * D + D * 6 * D)
     backward = forward + 2 * (D * D + D * 6 * D)
     assert flops_tokens - flops_frames == rows_saved * (forward + backward)
-    assert student.per_frame_time_embedding.tokens_per_frame is None  # reset after the call
+    assert student.per_frame_time_embeddings[0].tokens_per_frame is None  # reset after the call
 
 
 def test_homogeneous_timesteps_leave_the_embedder_alone():

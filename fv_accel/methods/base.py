@@ -1,22 +1,91 @@
-"""TrainingMethod: knows the math (what is noised, what the loss is), never the model's internals."""
+"""TrainingMethod: owns the math (noise, timestep sampling, noising, the loss, the held-out loss),
+never the model's internals. The student is reached only through the model contract
+(`fv_accel/models/base.py`): `prepare_batch` (clean latents + conditioning), `forward`, `backward`.
+
+Random draws per step, on one generator per rank (`seed + rank`) or one per sample: noise
+[B, C, T, H, W], then `u` [B] (then, in DFSFT, the chunk indices): REFERENCE.md section 2.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Union
+import math
+from typing import Any, Literal, Optional, Union
 
 import torch
 from accelerate import PartialState
-from diffusers.optimization import get_scheduler
 
-from fv_accel.models.base import ModelBase
+from fv_accel.models.base import Conditioning, ModelBase, TrainingBatch
+from fv_accel.schedulers import FlowMatchTable, GeneratorLike, randn
 from fv_accel.seeding import sample_generator_seed
 
 LogScalar = Union[float, int]
 
 
+def flow_matching_loss(
+    pred: torch.Tensor,
+    clean: torch.Tensor,
+    noisy: torch.Tensor,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    *,
+    precondition_outputs: bool,
+    reduce_dims: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """Squared error in fp32 of the velocity (or, preconditioned, of x0_hat = x_t - sigma * pred).
+
+    `sigmas` is [B] or per frame [B, T]; `reduce_dims=None` averages every element, otherwise only
+    over the given dims (DFSFT keeps [B, T]).
+    """
+    pred = pred.float()
+    if precondition_outputs:
+        sigma = FlowMatchTable.expand_sigma(sigmas.float(), pred.ndim)
+        err = noisy.float() - sigma * pred - clean.float()
+    else:
+        err = pred - (noise.float() - clean.float())
+    sq = err.pow(2)
+    return sq.mean() if reduce_dims is None else sq.mean(dim=reduce_dims)
+
+
+def _parse_ratio(raw: Any, key: str) -> float:
+    if isinstance(raw, bool):
+        raise ValueError(f"method.{key} must be a number in [0, 1], got bool {raw!r}")
+    if isinstance(raw, (int, float)):
+        value = float(raw)
+    elif isinstance(raw, str):
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            raise ValueError(f"method.{key} must be a number in [0, 1], got {raw!r}") from None
+    else:
+        raise ValueError(f"method.{key} must be a number in [0, 1], got {type(raw).__name__} {raw!r}")
+    if not (0.0 <= value <= 1.0) or math.isnan(value):
+        raise ValueError(f"method.{key} must be in [0, 1], got {raw!r}")
+    return value
+
+
+def parse_timestep_index_range(min_raw: Any, max_raw: Any, num_train_timesteps: int = 1000) -> tuple[int, int]:
+    """The half-open table-index range [lo, hi + 1) from the timestep ratios. Defaults give [0, N)."""
+    lo_ratio = _parse_ratio(0.0 if min_raw is None else min_raw, "min_timestep_ratio")
+    hi_ratio = _parse_ratio(1.0 if max_raw is None else max_raw, "max_timestep_ratio")
+    if hi_ratio < lo_ratio:
+        raise ValueError(
+            f"method.max_timestep_ratio ({hi_ratio}) must be >= method.min_timestep_ratio ({lo_ratio})"
+        )
+    n = num_train_timesteps
+    lo = min(max(int(lo_ratio * n), 0), n - 1)
+    hi = min(max(int(hi_ratio * n), 0), n - 1)
+    if hi <= lo:
+        hi = min(n - 1, lo + 1)
+    return lo, hi + 1
+
+
+# Redraws of the rejected samples before giving up (a range of one index in 1000 needs ~1000 on average).
+MAX_REJECTION_ROUNDS = 100_000
+
+
 class TrainingMethod:
-    """Base of the training methods. Owns the random stream, the optimizer and the LR schedule."""
+    """Base of the training methods: the random stream, the table, noising and the losses."""
 
     def __init__(self, *, cfg: Any, role_models: dict[str, ModelBase]) -> None:
         self.cfg = cfg
@@ -31,6 +100,9 @@ class TrainingMethod:
         self.noise_rng = cfg.training.loop.noise_rng
         # One generator per rank seeded seed + rank (FastVideo's "cuda_generator", on the device).
         self.cuda_generator = torch.Generator(device=self.device).manual_seed(self.seed + self.process_index)
+        # The training table of the scheduler adapter (the training shift, REFERENCE.md section 1).
+        self.table = FlowMatchTable(cfg.models.student.flow_shift)
+        # Built by fv_accel.build (build_optimizer / build_lr_scheduler) and prepared by Accelerate.
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
 
@@ -38,15 +110,8 @@ class TrainingMethod:
     def student(self) -> ModelBase:
         return self.role_models["student"]
 
-    def _step_result(
-        self, loss: torch.Tensor, tb: Any, loss_key: str
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-        """The (loss_map, outputs, metrics) every method's single_train_step returns."""
-        loss_map = {"total_loss": loss, loss_key: loss}
-        outputs: dict[str, Any] = {"_fv_backward": (tb.timesteps, tb.attn_metadata), "training_batch": tb}
-        # Tensors, not floats: converting here would sync the device every micro-step.
-        metrics: dict[str, Any] = {"mean_sigma": tb.sigmas.detach().float().mean()}
-        return loss_map, outputs, metrics
+    # DFSFT's chunk size; None for a method that noises the whole clip at one level.
+    chunk_size: Optional[int] = None
 
     def _require_trainable_student(self, label: str) -> None:
         if "student" not in self.role_models:
@@ -54,10 +119,43 @@ class TrainingMethod:
         if not self.student._trainable:
             raise ValueError(f"{label} requires student to be trainable")
 
+    def _init_student(self) -> None:
+        """The student reads its preprocessors; the index range follows the recipe and the student."""
+        self.student.init_preprocessors(self.training_config)
+        self._timestep_index_range = self._index_range()
+
     def _infer_attn_kind(self) -> Literal["dense", "vsa"]:
         # Video sparse attention is a FastVideo kernel with no diffusers counterpart: always dense.
         return "dense"
 
+    # ---- the timestep range ----
+    def _index_range(self) -> tuple[int, int]:
+        """[lo, hi) of table indices to train on: the recipe's ratios, within the student's range
+        (a Wan 2.2 expert trains only on its own side of the boundary)."""
+        n = self.table.num_train_timesteps
+        mc = self.method_config
+        recipe = parse_timestep_index_range(mc.get("min_timestep_ratio", 0.0), mc.get("max_timestep_ratio", 1.0), n)
+        bounds = self.student.timestep_bounds()
+        if bounds is None:
+            return recipe
+        t_lo, t_hi = bounds
+        inside = ((self.table.timesteps >= t_lo) & (self.table.timesteps < t_hi)).nonzero().flatten()
+        if inside.numel() == 0:
+            raise ValueError(f"the student's timestep range [{t_lo:g}, {t_hi:g}) holds no entry of the training table")
+        student = (int(inside.min()), int(inside.max()) + 1)
+        if recipe == (0, n):
+            return student
+        if not (student[0] <= recipe[0] and recipe[1] <= student[1]):
+            ratios = (mc.get("min_timestep_ratio"), mc.get("max_timestep_ratio"))
+            raise ValueError(
+                f"method.min_timestep_ratio/max_timestep_ratio {ratios[0]}/{ratios[1]} select table indices "
+                f"[{recipe[0]}, {recipe[1]}), outside the student's range [{student[0]}, {student[1]}) "
+                f"(timesteps [{t_lo:g}, {t_hi:g}), {self.student.describe_timestep_bounds()}): "
+                f"choose ratios inside it, or leave them at 0.0/1.0 to train the student's whole range"
+            )
+        return recipe
+
+    # ---- random draws ----
     def batch_generator(self, batch: dict) -> Union[torch.Generator, list[torch.Generator]]:
         """The generator(s) this micro-batch draws from (see `training.loop.noise_rng`)."""
         if self.noise_rng == "rank":
@@ -69,33 +167,113 @@ class TrainingMethod:
             for e, i in zip(epochs, indices)
         ]
 
-    def _init_optimizers_and_schedulers(self) -> None:
-        opt = self.training_config.optimizer
-        params = self.student.trainable_parameters()
-        if not params:
-            raise ValueError("the student has no trainable parameters")
-        self.optimizer = torch.optim.AdamW(
-            params,
-            lr=opt.learning_rate,
-            betas=tuple(opt.betas),
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
+    def sample_homogeneous_indices(
+        self, batch_size: int, generator: GeneratorLike, device: torch.device, *, in_range: bool = True
+    ) -> torch.Tensor:
+        """One table index per sample from the recipe's density, restricted to the index range by
+        rejection (only rejected samples are redrawn), so the density keeps its shape inside it."""
+        tm = self.training_config.model
+        density = dict(
+            weighting_scheme=tm.weighting_scheme, logit_mean=tm.logit_mean, logit_std=tm.logit_std, mode_scale=tm.mode_scale
         )
-        kwargs: dict[str, Any] = {}
-        if opt.lr_scheduler == "cosine_with_restarts":
-            kwargs["num_cycles"] = opt.lr_num_cycles
-        if opt.lr_scheduler == "polynomial":
-            kwargs["power"] = opt.lr_power
-            kwargs["lr_end"] = opt.learning_rate * opt.min_lr_ratio if opt.min_lr_ratio > 0 else 1e-7
-        if opt.lr_scheduler == "piecewise_constant":
-            kwargs["step_rules"] = opt.step_rules
-        self.lr_scheduler = get_scheduler(
-            opt.lr_scheduler,
-            optimizer=self.optimizer,
-            num_warmup_steps=opt.lr_warmup_steps,
-            num_training_steps=self.training_config.loop.max_train_steps,
-            **kwargs,
+        idx = self.table.sample_homogeneous_indices(batch_size, generator, device, **density)
+        lo, hi = self._timestep_index_range
+        if not in_range or (lo, hi) == (0, self.table.num_train_timesteps):
+            return idx
+        per_sample = not isinstance(generator, torch.Generator)
+        for _ in range(MAX_REJECTION_ROUNDS):
+            rejected = ((idx < lo) | (idx >= hi)).nonzero().flatten()
+            if rejected.numel() == 0:
+                return idx
+            gens = [generator[int(i)] for i in rejected] if per_sample else generator
+            idx[rejected] = self.table.sample_homogeneous_indices(rejected.numel(), gens, device, **density)
+        raise RuntimeError(
+            f"timestep sampling: no draw of training.model.weighting_scheme {tm.weighting_scheme!r} fell in table "
+            f"indices [{lo}, {hi}) after {MAX_REJECTION_ROUNDS} rounds; widen the range or change the density"
         )
+
+    # ---- noising ----
+    def prepare(self, batch: dict, generator: GeneratorLike, *, in_range: bool = True) -> TrainingBatch:
+        """Clean latents and conditioning from the student, then noise [B, C, T, H, W] and one
+        homogeneous table index per sample from `generator` (in that order), noised. With
+        `in_range=False` the index is one plain draw (DFSFT discards it and draws per chunk)."""
+        tb = self.student.prepare_batch(batch, latents_source="data")
+        if tb.latents is None or tb.conditioning is None:
+            raise RuntimeError("prepare_batch() must set TrainingBatch.latents and .conditioning")
+        tb.noise = randn(tb.latents.shape, generator, tb.latents.device)
+        idx = self.sample_homogeneous_indices(tb.latents.shape[0], generator, tb.latents.device, in_range=in_range)
+        return self.noise_to(tb, idx)
+
+    def noise_to(self, tb: TrainingBatch, idx: torch.Tensor) -> TrainingBatch:
+        """Set the noise level (table indices [B] or per frame [B, T]) and noise the clean latents.
+
+        Clean condition frames (`conditioning.clean_frames`) stay x0 at timestep 0 and index -1;
+        the per-sample level then becomes per frame."""
+        table = self.table
+        k = tb.conditioning.clean_frames if tb.conditioning is not None else 0
+        if k:
+            num_frames = tb.latents.shape[2]
+            if idx.ndim == 1:
+                idx = idx[:, None].expand(-1, num_frames).clone()
+            idx[:, :k] = -1
+            clean = idx < 0
+            safe = idx.clamp_min(0)
+            tb.sigmas = table.sigmas_at(safe).masked_fill(clean, 0.0)
+            tb.timesteps = table.timesteps_at(safe).masked_fill(clean, 0.0)
+        else:
+            tb.sigmas = table.sigmas_at(idx)
+            tb.timesteps = table.timesteps_at(idx)
+        tb.timestep_indices = idx
+        tb.noisy_model_input = table.add_noise(tb.latents, tb.noise, tb.sigmas)
+        return tb
+
+    # ---- losses ----
+    def per_frame_loss(self, pred: torch.Tensor, tb: TrainingBatch) -> torch.Tensor:
+        """[B, T]: each frame's mean squared error (velocity, or x0 with precondition_outputs)."""
+        return flow_matching_loss(
+            pred,
+            tb.latents,
+            tb.noisy_model_input,
+            tb.noise,
+            tb.sigmas,
+            precondition_outputs=bool(self.training_config.model.precondition_outputs),
+            reduce_dims=(1, 3, 4),
+        )
+
+    def unweighted_loss(self, pred: torch.Tensor, tb: TrainingBatch) -> torch.Tensor:
+        """The mean squared error over every element of the frames that carry a loss."""
+        k = tb.conditioning.clean_frames if tb.conditioning is not None else 0
+        if k:
+            return self.per_frame_loss(pred, tb)[:, k:].mean()
+        return flow_matching_loss(
+            pred,
+            tb.latents,
+            tb.noisy_model_input,
+            tb.noise,
+            tb.sigmas,
+            precondition_outputs=bool(self.training_config.model.precondition_outputs),
+        )
+
+    @torch.no_grad()
+    def heldout_loss(
+        self, latents: torch.Tensor, noise: torch.Tensor, idx: torch.Tensor, conditioning: Conditioning
+    ) -> torch.Tensor:
+        """The unweighted training loss of clean `latents` noised with the given `noise` to table
+        indices `idx` ([B], or per frame [B, T]): the held-out evaluation's score."""
+        tb = TrainingBatch(latents=latents, noise=noise, conditioning=conditioning)
+        self.noise_to(tb, idx.clone())
+        pred = self.student.forward(tb.noisy_model_input, tb.timesteps, conditioning)
+        return self.unweighted_loss(pred, tb)
+
+    def _step_result(
+        self, loss: torch.Tensor, tb: Any, loss_key: str
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+        """The (loss_map, outputs, metrics) every method's single_train_step returns."""
+        loss_map = {"total_loss": loss, loss_key: loss}
+        outputs: dict[str, Any] = {"_fv_backward": (tb.timesteps, tb.attn_metadata), "training_batch": tb}
+        # Tensors, not floats: converting here would sync the device every micro-step.
+        metrics: dict[str, Any] = {"mean_sigma": tb.sigmas.detach().float().mean()}
+        return loss_map, outputs, metrics
 
     # ---- the public face (seed) ----
     def single_train_step(

@@ -1,11 +1,63 @@
-"""Roles (ModelBase) and the diffusers video-transformer students."""
+"""Roles (ModelBase) and the model families: one file per family, each registering itself
+(`@register_family`); every module of this package is imported here so that adding a family
+touches only its own file."""
 
-from fv_accel.models.base import ModelBase, TrainingBatch
-from fv_accel.models.wan import WanStudent
+import importlib
+import pkgutil
 
-__all__ = ["ModelBase", "TrainingBatch", "WanStudent", "build_student"]
+from fv_accel.models.base import (
+    FAMILIES,
+    Capabilities,
+    Conditioning,
+    ModelBase,
+    TrainingBatch,
+    family_for_class_name,
+    register_family,
+)
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+from fv_accel.models.wan import WanStudent  # noqa: E402 (the default family)
+
+__all__ = [
+    "FAMILIES",
+    "Capabilities",
+    "Conditioning",
+    "ModelBase",
+    "TrainingBatch",
+    "WanStudent",
+    "build_student",
+    "family_of",
+    "register_family",
+]
+
+
+def family_of(cfg) -> type:
+    """The family class of a recipe's student: by `model_class`, else by the transformer's
+    `_class_name` (read from its config.json), else the Wan family for an inline config."""
+    from fv_accel.models.loading import ModelLoadError, fetch_config
+
+    st = cfg.models.student
+    if st.model_class != "auto":
+        for family in FAMILIES.values():
+            if st.model_class in family.transformer_classes:
+                return family
+        raise ValueError(f"models.student.model_class {st.model_class!r} belongs to no registered family")
+    if st.init_from is None:
+        return WanStudent
+    config = fetch_config(st.init_from, st.subfolder or None, revision=st.revision, required=True)
+    class_name = config.get("_class_name")
+    family = family_for_class_name(class_name)
+    if family is None:
+        supported = sorted(n for f in FAMILIES.values() for n in f.transformer_class_names())
+        raise ModelLoadError(
+            f"model '{st.init_from}': transformer class {class_name!r} is not supported; "
+            f"supported: {', '.join(supported)} (or set models.student.model_class)"
+        )
+    return family
 
 
 def build_student(cfg) -> ModelBase:
-    """The student role for a recipe (the model registry: one entry per architecture family)."""
-    return WanStudent(cfg)
+    """The student role for a recipe: an instance of its model family."""
+    return family_of(cfg)(cfg)

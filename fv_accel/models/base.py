@@ -1,51 +1,137 @@
-"""ModelBase: one role (student; later teacher/critic). It knows its transformer, never the loss."""
+"""The model contract. A *family* (one file under fv_accel/models/) is a `ModelBase` subclass that
+registers itself with `@register_family`: the diffusers classes it loads, the Hub layout it reads, its
+latent statistics, the conditioning it builds from a batch, one `forward(x_t, t, cond)` returning the
+flow velocity, its capabilities, LoRA targets and ComfyUI key map, the pipeline for sample videos and
+the encoders preprocessing needs.
+
+A family knows its transformer, never the loss: noise, timesteps, noising and losses belong to the
+methods (fv_accel/methods/), the flow-matching table to the scheduler adapter (fv_accel/schedulers.py).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Optional
 
 import torch
 
-from fv_accel.schedulers import FlowMatchTable, GeneratorLike
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family's transformer can do; methods check these at build time."""
+
+    per_frame_timesteps: bool = False  # `forward` takes t as [B, T] (diffusion forcing needs it)
+    causal_attention: bool = False  # block-causal self-attention can be installed
+    image_conditioning: bool = False  # a first-frame (image-to-video) condition exists
+
+
+@dataclass
+class Conditioning:
+    """What the transformer is conditioned on besides x_t and t (built by the family from a batch).
+
+    `clean_frames` leading latent frames are the clean condition itself (image-to-video by frame
+    replacement): the method keeps them un-noised, gives them timestep 0 and no loss.
+    """
+
+    text: Optional[torch.Tensor] = None  # [B, L, D]
+    text_mask: Optional[torch.Tensor] = None  # [B, L]
+    image: Optional[torch.Tensor] = None  # image-encoder features [B, L_img, D_img]
+    condition_latent: Optional[torch.Tensor] = None  # normalised, [B, C, T, H, W] (channel-concat I2V)
+    clean_frames: int = 0
+
+    def unconditional(self) -> "Conditioning":
+        """The text dropped (zeros); image conditions stay (they are not what guidance removes)."""
+        return replace(self, text=None if self.text is None else torch.zeros_like(self.text))
 
 
 @dataclass
 class TrainingBatch:
-    """What a role prepares for a method. Latent tensors are [B, C, T, H, W] (diffusers layout)."""
+    """What a method prepares for one step. Latent tensors are [B, C, T, H, W] (diffusers layout)."""
 
     latents: Optional[torch.Tensor] = None  # clean, normalised x0
     noise: Optional[torch.Tensor] = None  # eps ~ N(0, I)
     noisy_model_input: Optional[torch.Tensor] = None  # x_t
-    timestep_indices: Optional[torch.Tensor] = None  # table indices, [B] or [B, T]
+    # Table indices, [B] or [B, T]; -1 marks a clean condition frame (not in the table).
+    timestep_indices: Optional[torch.Tensor] = None
     sigmas: Optional[torch.Tensor] = None  # [B] or [B, T]
     timesteps: Optional[torch.Tensor] = None  # float timesteps the transformer sees, [B] or [B, T]
+    conditioning: Optional[Conditioning] = None
+    # The seed's names for the text condition (kept in step with `conditioning`).
     encoder_hidden_states: Optional[torch.Tensor] = None  # [B, L, D]
     encoder_attention_mask: Optional[torch.Tensor] = None  # [B, L]
     attn_metadata: Any = None
     attn_metadata_vsa: Any = None
     extras: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.conditioning is None and self.encoder_hidden_states is not None:
+            self.conditioning = Conditioning(text=self.encoder_hidden_states, text_mask=self.encoder_attention_mask)
+        elif self.conditioning is not None and self.encoder_hidden_states is None:
+            self.encoder_hidden_states = self.conditioning.text
+            self.encoder_attention_mask = self.conditioning.text_mask
+
+
+FAMILIES: dict[str, type["ModelBase"]] = {}
+
+
+def register_family(cls: type["ModelBase"]) -> type["ModelBase"]:
+    """Class decorator: make a family findable by name and by its transformer classes' names."""
+    if cls.family in FAMILIES:
+        raise ValueError(f"model family {cls.family!r} registered twice")
+    FAMILIES[cls.family] = cls
+    return cls
+
+
+def family_for_class_name(class_name: str) -> Optional[type["ModelBase"]]:
+    for cls in FAMILIES.values():
+        if class_name in cls.transformer_class_names():
+            return cls
+    return None
+
 
 class ModelBase:
-    """A role in training. Subclasses own a `transformer` (the nn.Module Accelerate prepares)."""
+    """A role in training (student; later teacher/critic) and the contract of a model family."""
+
+    # ---- what a family declares ----
+    family: ClassVar[str] = ""
+    # model_class name (recipe `models.student.model_class`) -> diffusers transformer class
+    transformer_classes: ClassVar[dict[str, type]] = {}
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    lora_target_modules: ClassVar[tuple[str, ...]] = ()
 
     transformer: torch.nn.Module
     _trainable: bool = True
-
-    # Whether the transformer accepts per-frame timesteps [B, T] (DFSFT needs it).
-    supports_per_frame_timesteps: bool = False
     # Causal attention block size in latent frames, or None for bidirectional attention.
     causal_block_size: Optional[int] = None
 
     def __init__(self) -> None:
         self.accelerator = None
-        self.table: Optional[FlowMatchTable] = None
+        self.latents_mean: Optional[torch.Tensor] = None
+        self.latents_std: Optional[torch.Tensor] = None
+        self.in_channels: int = 0  # latent channels of x_t (the data's C)
+
+    @classmethod
+    def lora_pipeline_class(cls, kind: str) -> type:
+        """The diffusers pipeline whose `save_lora_weights` writes this family's LoRA files."""
+        raise NotImplementedError(f"the {cls.family} family declares no LoRA pipeline")
+
+    @classmethod
+    def comfyui_module_name(cls, module: str) -> str:
+        """diffusers module name -> the name ComfyUI's LoRA files use for this family."""
+        raise ValueError(f"the {cls.family} family has no ComfyUI LoRA layout (module {module!r})")
+
+    @classmethod
+    def transformer_class_names(cls) -> list[str]:
+        return [c.__name__ for c in cls.transformer_classes.values()]
+
+    # seed attribute name
+    @property
+    def supports_per_frame_timesteps(self) -> bool:
+        return self.capabilities.per_frame_timesteps
 
     # ---- set-up ----
     def init_preprocessors(self, training_config: Any) -> None:
-        """Build what prepare_batch needs (the flow-matching table, latent statistics)."""
-        raise NotImplementedError
+        """Read what preparing a batch needs (latent statistics). Called by the method."""
 
     def attach_accelerator(self, accelerator: Any) -> None:
         self.accelerator = accelerator
@@ -53,10 +139,56 @@ class ModelBase:
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
+    @property
+    def device(self) -> torch.device:
+        if self.accelerator is not None:
+            return self.accelerator.device
+        return next(self.transformer.parameters()).device
+
+    def set_latent_statistics(self, mean: Optional[list], std: Optional[list], where: str) -> None:
+        if mean is None:
+            return
+        if len(mean) != self.in_channels or len(std) != self.in_channels:
+            raise ValueError(
+                f"{where}: latents_mean/latents_std have {len(mean)}/{len(std)} values for a transformer "
+                f"with {self.in_channels} latent channels"
+            )
+        self.latents_mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
+        self.latents_std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1, 1)
+
+    def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        if self.latents_mean is None:
+            return latents
+        return (latents - self.latents_mean.to(latents.device)) / self.latents_std.to(latents.device)
+
     # ---- per step ----
-    def prepare_batch(
-        self, batch: dict, *, generator: GeneratorLike, latents_source: str = "data"
-    ) -> TrainingBatch:
+    def clean_latents(self, batch: dict) -> torch.Tensor:
+        """The batch's latents, checked and normalised: x0 as [B, C, T, H, W] fp32 on the device."""
+        latents = batch["vae_latent"].to(device=self.device, dtype=torch.float32)
+        if latents.ndim != 5:
+            raise ValueError(f"batch['vae_latent'] must be [B, C, T, H, W], got {tuple(latents.shape)}")
+        if latents.shape[1] != self.in_channels:
+            raise ValueError(
+                f"latents have {latents.shape[1]} channels but the transformer expects {self.in_channels}"
+            )
+        return self.normalize_latents(latents)
+
+    def build_conditioning(self, batch: dict) -> Conditioning:
+        """The text condition (every family); families with more override and extend it."""
+        text = batch["text_embedding"].to(device=self.device, dtype=torch.float32)
+        mask = batch.get("text_attention_mask")
+        return Conditioning(text=text, text_mask=None if mask is None else mask.to(self.device))
+
+    def prepare_batch(self, batch: dict, *, generator: Any = None, latents_source: str = "data") -> TrainingBatch:
+        """The seed's door: clean latents and conditioning. Noise and timesteps are the method's
+        (`generator` is accepted for the seed's signature; the method draws from it)."""
+        del generator
+        if latents_source != "data":
+            raise ValueError(f"latents_source={latents_source!r}: only 'data' is supported")
+        return TrainingBatch(latents=self.clean_latents(batch), conditioning=self.build_conditioning(batch))
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The flow velocity for x_t [B, C, T, H, W] at t ([B], or per latent frame [B, T])."""
         raise NotImplementedError
 
     def predict_noise(
@@ -68,7 +200,24 @@ class ModelBase:
         conditional: bool = True,
         attn_kind: str = "dense",
     ) -> torch.Tensor:
-        raise NotImplementedError
+        """The seed's name for `forward` (attention kind is fixed by the installed processor)."""
+        del attn_kind
+        cond = training_batch.conditioning
+        if cond is None:
+            raise ValueError("training_batch.conditioning is not set")
+        return self.forward(noisy_latents, timesteps, cond if conditional else cond.unconditional())
+
+    def sample_latents(self, vae: Any, prompt_embeds: torch.Tensor, negative_prompt_embeds: Any, **kwargs: Any) -> Any:
+        """Normalised latents of a sample through the family's own diffusers pipeline, or None when
+        the family samples with fv_accel's Euler sampler over `forward` (validation then does)."""
+        return None
+
+    def timestep_bounds(self) -> Optional[tuple[float, float]]:
+        """The half-open range [lo, hi) of timestep values this student may be trained on (None: all)."""
+        return None
+
+    def describe_timestep_bounds(self) -> str:
+        return "the student's range"
 
     def backward(self, loss: torch.Tensor, ctx: Any, *, grad_accum_rounds: int = 1) -> None:
         """Backpropagate `loss / grad_accum_rounds` through the (possibly wrapped) transformer.

@@ -71,24 +71,30 @@ def explain_load_error(
 
 
 def fetch_config(
-    model_id: str, subfolder: Optional[str] = None, *, revision: Optional[str] = None, required: bool = True
+    model_id: str,
+    subfolder: Optional[str] = None,
+    *,
+    revision: Optional[str] = None,
+    required: bool = True,
+    filename: str = "config.json",
 ) -> Optional[dict[str, Any]]:
-    """`<subfolder>/config.json` of a Hub id (cache honoured) or local folder; None if absent and not
-    required. Fetching this small file first turns a missing model into a clear error early."""
+    """`<subfolder>/<filename>` (a component's config.json, or the repo's model_index.json) of a Hub
+    id (cache honoured) or local folder; None if absent and not required. Fetching this small file
+    first turns a missing model into a clear error early."""
     local = Path(model_id)
     where = subfolder or "."
     if local.exists():
-        path = local / (subfolder or "") / "config.json"
+        path = local / (subfolder or "") / filename
         if not path.is_file():
             if required:
-                raise ModelLoadError(f"model folder '{model_id}' has no {where}/config.json (diffusers layout expected)")
+                raise ModelLoadError(f"model folder '{model_id}' has no {where}/{filename} (diffusers layout expected)")
             return None
     else:
         from huggingface_hub import hf_hub_download
         from huggingface_hub import errors as hf_errors
 
         try:
-            path = Path(hf_hub_download(model_id, "config.json", subfolder=subfolder or None, revision=revision))
+            path = Path(hf_hub_download(model_id, filename, subfolder=subfolder or None, revision=revision))
         except (hf_errors.HFValidationError, ValueError) as err:
             raise ModelLoadError(
                 f"model '{model_id}' is neither an existing local folder nor a valid Hub id ({_first_line(err)})"
@@ -101,12 +107,12 @@ def fetch_config(
                 return None
             if not required and isinstance(err, hf_errors.LocalEntryNotFoundError):
                 return None
-            raise explain_load_error(model_id, f"{where}/config.json", err, revision=revision) from None
+            raise explain_load_error(model_id, f"{where}/{filename}", err, revision=revision) from None
     with open(path, encoding="utf-8") as fh:
         try:
             return json.load(fh)
         except json.JSONDecodeError as err:
-            raise ModelLoadError(f"model '{model_id}': {where}/config.json is not valid JSON ({err})") from None
+            raise ModelLoadError(f"model '{model_id}': {where}/{filename} is not valid JSON ({err})") from None
 
 
 def load_component_config(cfg: StudentConfig, subfolder: Optional[str], required: bool = False) -> Optional[dict[str, Any]]:
@@ -114,9 +120,12 @@ def load_component_config(cfg: StudentConfig, subfolder: Optional[str], required
     return fetch_config(cfg.init_from, subfolder, revision=cfg.revision, required=required)
 
 
-def load_transformer(cfg: StudentConfig, classes: dict[str, type], class_to_kind: dict[str, str]) -> torch.nn.Module:
-    """The student's transformer from `cfg.init_from` (Hub id or folder), class from its config."""
-    subfolder = cfg.subfolder or None
+def load_transformer(
+    cfg: StudentConfig, classes: dict[str, type], class_to_kind: dict[str, str], subfolder: Optional[str] = None
+) -> torch.nn.Module:
+    """The student's transformer from `cfg.init_from` (Hub id or folder), class from its config;
+    `subfolder` overrides the recipe's (a Wan 2.2 expert's weights are in `transformer_2`)."""
+    subfolder = (subfolder or cfg.subfolder) or None
     config = fetch_config(cfg.init_from, subfolder, revision=cfg.revision, required=True)
     kind = cfg.model_class
     if kind == "auto":
@@ -137,7 +146,7 @@ def load_transformer(cfg: StudentConfig, classes: dict[str, type], class_to_kind
             use_safetensors=True,  # never fall back to pickled .bin weights
         )
     except (OSError, ValueError) as err:
-        what = f"transformer weights (subfolder {cfg.subfolder!r}{', variant ' + repr(cfg.variant) if cfg.variant else ''})"
+        what = f"transformer weights (subfolder {subfolder!r}{', variant ' + repr(cfg.variant) if cfg.variant else ''})"
         raise explain_load_error(cfg.init_from, what, err, revision=cfg.revision) from None
 
 

@@ -5,10 +5,10 @@ and keeps only the adapter trainable, in fp32 (`cast_training_params`), whatever
 
 Files (all safetensors):
 - `pytorch_lora_weights.safetensors`: diffusers' format (`transformer.<module>.lora_A/B.weight`)
-  written by `WanPipeline.save_lora_weights` with the adapter metadata (rank, alpha, targets), so
+  written by the family pipeline's `save_lora_weights` (e.g. `WanPipeline`) with the adapter metadata (rank, alpha, targets), so
   `WanPipeline.load_lora_weights(dir)` rebuilds the same scaling when alpha != rank.
-- `pytorch_lora_weights_comfyui.safetensors`: the same tensors under the original Wan module
-  names with ComfyUI's `diffusion_model.` prefix (`lora_down`/`lora_up` + a scalar `alpha` per
+- `pytorch_lora_weights_comfyui.safetensors`: the same tensors under the original module names
+  (the family's map, e.g. Wan's) with ComfyUI's `diffusion_model.` prefix (`lora_down`/`lora_up` + a scalar `alpha` per
   module); diffusers' own Wan loader reads this layout too.
 - `base_model.json`: which base the adapter belongs to (for a merged export later).
 
@@ -37,33 +37,6 @@ ADAPTER_NAME = "default"
 
 # peft's `init_lora_weights` for each recipe value of `models.student.lora.init`.
 PEFT_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa"}
-
-# diffusers module name (inside a block / at the top) -> original Wan name, the layout ComfyUI
-# and most Wan LoRAs in the wild use. diffusers' `_convert_non_diffusers_wan_lora_to_diffusers`
-# maps the same pairs the other way.
-WAN_BLOCK_MODULES = {
-    "attn1.to_q": "self_attn.q",
-    "attn1.to_k": "self_attn.k",
-    "attn1.to_v": "self_attn.v",
-    "attn1.to_out.0": "self_attn.o",
-    "attn2.to_q": "cross_attn.q",
-    "attn2.to_k": "cross_attn.k",
-    "attn2.to_v": "cross_attn.v",
-    "attn2.to_out.0": "cross_attn.o",
-    "attn2.add_k_proj": "cross_attn.k_img",
-    "attn2.add_v_proj": "cross_attn.v_img",
-    "ffn.net.0.proj": "ffn.0",
-    "ffn.net.2": "ffn.2",
-}
-WAN_TOP_MODULES = {
-    "condition_embedder.time_proj": "time_projection.1",
-    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
-    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
-    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
-    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
-    "proj_out": "head.head",
-}
-
 
 # --------------------------------------------------------------------------------------------
 # Training
@@ -192,22 +165,25 @@ def trained_part_of_deployable(
 
 
 def save_diffusers_lora(
-    out_dir: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, Any], *, kind: str = "wan"
+    out_dir: str | Path,
+    state: dict[str, torch.Tensor],
+    metadata: dict[str, Any],
+    *,
+    pipeline_cls: type,
+    weight_name: str = DIFFUSERS_LORA_FILE,
 ) -> Path:
-    """Write `pytorch_lora_weights.safetensors` with diffusers' own writer (keys + metadata)."""
-    from diffusers import SkyReelsV2DiffusionForcingPipeline, WanPipeline
-
-    pipeline_cls = SkyReelsV2DiffusionForcingPipeline if kind == "skyreels_v2" else WanPipeline
+    """Write `pytorch_lora_weights.safetensors` with diffusers' own writer (keys + metadata) of the
+    family's pipeline class (`ModelBase.lora_pipeline_class`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pipeline_cls.save_lora_weights(
         out_dir,
         transformer_lora_layers=state,
         transformer_lora_adapter_metadata=metadata,
-        weight_name=DIFFUSERS_LORA_FILE,
+        weight_name=weight_name,
         safe_serialization=True,
     )
-    return out_dir / DIFFUSERS_LORA_FILE
+    return out_dir / weight_name
 
 
 def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], Optional[dict[str, Any]]]:
@@ -233,20 +209,6 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], Optional[
     return state, metadata
 
 
-def _wan_module_name(module: str) -> str:
-    parts = module.split(".")
-    if parts[0] == "blocks" and len(parts) > 2:
-        inner = ".".join(parts[2:])
-        if inner in WAN_BLOCK_MODULES:
-            return f"blocks.{parts[1]}.{WAN_BLOCK_MODULES[inner]}"
-    elif module in WAN_TOP_MODULES:
-        return WAN_TOP_MODULES[module]
-    raise ValueError(
-        f"LoRA on module '{module}' has no ComfyUI (original Wan) name; supported: the attention "
-        f"projections, add_k_proj/add_v_proj, the FFN, the condition embedder and proj_out"
-    )
-
-
 def alpha_by_module(state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> dict[str, float]:
     """alpha per adapted module (diffusers module name), honouring peft's alpha_pattern."""
     import re
@@ -266,9 +228,12 @@ def alpha_by_module(state: dict[str, torch.Tensor], metadata: dict[str, Any]) ->
     return out
 
 
-def to_comfyui(state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """diffusers keys -> `diffusion_model.<wan name>.lora_down/lora_up.weight` + `.alpha`
-    (ComfyUI scales by alpha / rank, rank read from lora_down's rows)."""
+def to_comfyui(
+    state: dict[str, torch.Tensor], metadata: dict[str, Any], module_name: Callable[[str], str]
+) -> dict[str, torch.Tensor]:
+    """diffusers keys -> `diffusion_model.<original name>.lora_down/lora_up.weight` + `.alpha`
+    (ComfyUI scales by alpha / rank, rank read from lora_down's rows); `module_name` is the
+    family's map (`ModelBase.comfyui_module_name`)."""
     if metadata is None:
         raise ValueError("the LoRA file has no adapter metadata: its alpha is unknown, cannot write alpha keys")
     if metadata.get("use_rslora") or metadata.get("use_dora"):
@@ -279,21 +244,23 @@ def to_comfyui(state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> dict
         for part, new in ((".lora_A.weight", ".lora_down.weight"), (".lora_B.weight", ".lora_up.weight")):
             if key.endswith(part):
                 module = key[: -len(part)]
-                out[f"diffusion_model.{_wan_module_name(module)}{new}"] = value.contiguous()
+                out[f"diffusion_model.{module_name(module)}{new}"] = value.contiguous()
                 break
         else:
             raise ValueError(f"unexpected LoRA tensor {key} (only lora_A/lora_B weights are exported)")
     for module, alpha in alphas.items():
-        out[f"diffusion_model.{_wan_module_name(module)}.alpha"] = torch.tensor(alpha, dtype=torch.float32)
+        out[f"diffusion_model.{module_name(module)}.alpha"] = torch.tensor(alpha, dtype=torch.float32)
     return out
 
 
-def save_comfyui_lora(path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
+def save_comfyui_lora(
+    path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, Any], module_name: Callable[[str], str]
+) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # No diffusers adapter metadata here: the alpha lives in the `.alpha` keys (a loader that
     # also applied metadata would scale twice).
-    save_file(to_comfyui(state, metadata), str(path), metadata={"format": "pt"})
+    save_file(to_comfyui(state, metadata, module_name), str(path), metadata={"format": "pt"})
     return path
 
 
@@ -302,13 +269,19 @@ def save_lora_outputs(
     state: dict[str, torch.Tensor],
     metadata: dict[str, Any],
     *,
-    kind: str = "wan",
+    family: Any,
+    kind: str,
     base: Optional[dict[str, Any]] = None,
+    suffix: str = "",
 ) -> list[Path]:
-    """Both LoRA files (+ `base_model.json` when given) into `out_dir`."""
+    """Both LoRA files (+ `base_model.json` when given) into `out_dir`; `family` is the student's
+    family class (its pipeline's LoRA writer for `kind`, its ComfyUI key map). `suffix` goes before
+    `.safetensors` (a second expert's files)."""
     out_dir = Path(out_dir)
-    written = [save_diffusers_lora(out_dir, state, metadata, kind=kind)]
-    written.append(save_comfyui_lora(out_dir / COMFYUI_LORA_FILE, state, metadata))
+    name = DIFFUSERS_LORA_FILE.replace(".safetensors", f"{suffix}.safetensors")
+    written = [save_diffusers_lora(out_dir, state, metadata, pipeline_cls=family.lora_pipeline_class(kind), weight_name=name)]
+    comfy = COMFYUI_LORA_FILE.replace(".safetensors", f"{suffix}.safetensors")
+    written.append(save_comfyui_lora(out_dir / comfy, state, metadata, family.comfyui_module_name))
     if base is not None:
         (out_dir / BASE_MODEL_FILE).write_text(json.dumps(base, indent=2) + "\n")
         written.append(out_dir / BASE_MODEL_FILE)
@@ -343,7 +316,7 @@ def register_adapter_checkpointing(
     get_files_state: Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]],
     set_files_state: Callable[[dict[str, torch.Tensor], Optional[dict[str, Any]]], None],
     *,
-    kind: str = "wan",
+    pipeline_cls: type,
 ) -> None:
     """Make `accelerator.save_state` write the adapter (as `pytorch_lora_weights.safetensors`,
     directly loadable by diffusers) instead of the whole transformer, and `load_state` read it.
@@ -363,7 +336,7 @@ def register_adapter_checkpointing(
                 break
         state, metadata = get_files_state()
         if accelerator.is_main_process:
-            save_diffusers_lora(output_dir, state, metadata, kind=kind)
+            save_diffusers_lora(output_dir, state, metadata, pipeline_cls=pipeline_cls)
 
     def load_hook(models: list, input_dir: str) -> None:
         for i, model in enumerate(models):

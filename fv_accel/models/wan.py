@@ -9,15 +9,17 @@ How per-frame timesteps reach the transformer (REFERENCE.md section 5):
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from diffusers import SkyReelsV2Transformer3DModel, WanTransformer3DModel
 
 from fv_accel.config import RunConfig, StudentConfig
-from fv_accel.models.base import ModelBase, TrainingBatch
-from fv_accel.models.loading import DTYPES, load_component_config, load_transformer
-from fv_accel.schedulers import FlowMatchTable, GeneratorLike, randn
+from fv_accel.models.base import Capabilities, Conditioning, ModelBase, TrainingBatch, register_family
+from fv_accel.models.loading import DTYPES, fetch_config, load_component_config, load_transformer
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ TRANSFORMER_CLASSES = {
 CLASS_NAME_TO_KIND = {cls.__name__: kind for kind, cls in TRANSFORMER_CLASSES.items()}
 
 
-def build_transformer(cfg: StudentConfig) -> tuple[torch.nn.Module, str]:
+def build_transformer(cfg: StudentConfig, subfolder: Optional[str] = None) -> tuple[torch.nn.Module, str]:
     """Load from a Hub id / local folder, or build from the inline config (seeded by the caller)."""
     if cfg.init_from is None:
         kind = "wan" if cfg.model_class == "auto" else cfg.model_class
@@ -36,7 +38,7 @@ def build_transformer(cfg: StudentConfig) -> tuple[torch.nn.Module, str]:
         if cfg.torch_dtype != "float32":
             transformer = transformer.to(DTYPES[cfg.torch_dtype])
         return transformer, kind
-    transformer = load_transformer(cfg, TRANSFORMER_CLASSES, CLASS_NAME_TO_KIND)
+    transformer = load_transformer(cfg, TRANSFORMER_CLASSES, CLASS_NAME_TO_KIND, subfolder=subfolder)
     return transformer, CLASS_NAME_TO_KIND[type(transformer).__name__]
 
 
@@ -53,7 +55,7 @@ class PerFrameTimeEmbedding:
     [B, S, 6, D] fp32 copy of the frame's projection (at the 1.3B architecture with 21 latent
     frames of 480x832, 1.2 GB per block, read and written again by each of the 30 blocks).
 
-    While `tokens_per_frame` is set (by `WanStudent.predict_noise`, whose per-token timesteps are
+    While `tokens_per_frame` is set (by `WanStudent.forward`, whose per-token timesteps are
     per-frame ones repeated):
     - hooks on the condition embedder feed it one timestep per frame; its time embedding (used once,
       by the output norm) is repeated over the frame's tokens, its 6-way block projection is not;
@@ -136,124 +138,314 @@ class _PerFrameBlockForward:
         return tokens(framed(x.float()) + framed(ff.float()) * c_gate_msa).type_as(x)
 
 
+# diffusers module name (inside a block / at the top) -> original Wan name, the layout ComfyUI
+# and most Wan LoRAs in the wild use. diffusers' `_convert_non_diffusers_wan_lora_to_diffusers`
+# maps the same pairs the other way.
+WAN_BLOCK_MODULES = {
+    "attn1.to_q": "self_attn.q",
+    "attn1.to_k": "self_attn.k",
+    "attn1.to_v": "self_attn.v",
+    "attn1.to_out.0": "self_attn.o",
+    "attn2.to_q": "cross_attn.q",
+    "attn2.to_k": "cross_attn.k",
+    "attn2.to_v": "cross_attn.v",
+    "attn2.to_out.0": "cross_attn.o",
+    "attn2.add_k_proj": "cross_attn.k_img",
+    "attn2.add_v_proj": "cross_attn.v_img",
+    "ffn.net.0.proj": "ffn.0",
+    "ffn.net.2": "ffn.2",
+}
+WAN_TOP_MODULES = {
+    "condition_embedder.time_proj": "time_projection.1",
+    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+    "proj_out": "head.head",
+}
+
+
+
+def wan_comfyui_module_name(module: str) -> str:
+    """diffusers module name -> original Wan name (ComfyUI's layout)."""
+    parts = module.split(".")
+    if parts[0] == "blocks" and len(parts) > 2:
+        inner = ".".join(parts[2:])
+        if inner in WAN_BLOCK_MODULES:
+            return f"blocks.{parts[1]}.{WAN_BLOCK_MODULES[inner]}"
+    elif module in WAN_TOP_MODULES:
+        return WAN_TOP_MODULES[module]
+    raise ValueError(
+        f"LoRA on module '{module}' has no ComfyUI (original Wan) name; supported: the attention "
+        f"projections, add_k_proj/add_v_proj, the FFN, the condition embedder and proj_out"
+    )
+
+
+
+# Expert of a two-transformer Wan 2.2 repo (A14B) -> the subfolder holding its weights.
+EXPERT_SUBFOLDERS = {"high_noise": "transformer", "low_noise": "transformer_2"}
+# A run of both experts writes the high-noise LoRA under the usual names and the low-noise one
+# with this suffix (`pytorch_lora_weights_transformer_2.safetensors`, loaded with
+# `load_lora_weights(dir, weight_name=..., load_into_transformer_2=True)`).
+LORA_FILE_SUFFIX = {"high_noise": "", "low_noise": "_transformer_2"}
+
+
+class ExpertPair(torch.nn.Module):
+    """Both experts of a Wan 2.2 A14B repo trained together (`models.student.expert: both`). Its
+    forward runs one expert by name, so an engine's wrapper around the pair sees every call."""
+
+    def __init__(self, high: torch.nn.Module, low: torch.nn.Module):
+        super().__init__()
+        self.high = high
+        self.low = low
+
+    @property
+    def config(self) -> Any:
+        return self.high.config
+
+    def expert(self, name: str) -> torch.nn.Module:
+        return self.high if name == "high_noise" else self.low
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.high.enable_gradient_checkpointing()
+        self.low.enable_gradient_checkpointing()
+
+    def forward(self, expert: str, **kwargs: Any) -> Any:
+        return self.expert(expert)(**kwargs)
+
+
+def subset_conditioning(cond: Conditioning, index: torch.Tensor) -> Conditioning:
+    """The conditioning of the samples at `index`."""
+    from dataclasses import replace
+
+    pick = {
+        name: getattr(cond, name)[index]
+        for name in ("text", "text_mask", "image", "condition_latent")
+        if getattr(cond, name) is not None
+    }
+    return replace(cond, **pick)
+
+
+@dataclass(frozen=True)
+class WanLayout:
+    """What a Wan-family repo's `model_index.json` says about the model (defaults without one)."""
+
+    pipeline: Optional[str] = None  # the pipeline class name
+    expand_timesteps: bool = False  # Wan 2.2 TI2V: per-token timesteps, first-frame condition
+    boundary_ratio: Optional[float] = None  # Wan 2.2 A14B: high-noise expert for t >= ratio * N
+    two_experts: bool = False  # `transformer_2` present
+
+    @classmethod
+    def read(cls, st: StudentConfig) -> "WanLayout":
+        if st.init_from is None:
+            return cls()
+        index = fetch_config(st.init_from, None, revision=st.revision, required=False, filename="model_index.json")
+        if not index:
+            return cls()
+        second = index.get("transformer_2")
+        return cls(
+            pipeline=index.get("_class_name"),
+            expand_timesteps=bool(index.get("expand_timesteps", False)),
+            boundary_ratio=index.get("boundary_ratio"),
+            two_experts=isinstance(second, (list, tuple)) and second[:1] != [None] and bool(second),
+        )
+
+
+@register_family
 class WanStudent(ModelBase):
-    """A trainable Wan-family transformer (WanTransformer3DModel or SkyReelsV2Transformer3DModel)."""
+    """The Wan family: Wan 2.1 T2V/I2V, Wan 2.2 TI2V-5B and A14B experts, SkyReels-V2.
+
+    Image-to-video comes in two forms, read from the model: a 36-channel transformer takes
+    [x_t, 4-channel first-frame mask, normalised latent of the first frame followed by zeros]
+    (Wan 2.1 I2V, with CLIP image features; Wan 2.2 I2V-A14B), and an `expand_timesteps` model
+    (Wan 2.2 TI2V-5B, `models.student.task: i2v`) sees the first latent frame clean at t = 0.
+    """
+
+    family = "wan"
+    transformer_classes = {"wan": WanTransformer3DModel, "skyreels_v2": SkyReelsV2Transformer3DModel}
+    capabilities = Capabilities(per_frame_timesteps=True, causal_attention=True, image_conditioning=False)
+    lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
+
+    @classmethod
+    def lora_pipeline_class(cls, kind: str) -> type:
+        from diffusers import SkyReelsV2DiffusionForcingPipeline, WanPipeline
+
+        # WanPipeline's LoRA files load into WanImageToVideoPipeline too (one Wan LoRA loader).
+        return SkyReelsV2DiffusionForcingPipeline if kind == "skyreels_v2" else WanPipeline
+
+    @classmethod
+    def comfyui_module_name(cls, module: str) -> str:
+        return wan_comfyui_module_name(module)
 
     def __init__(self, cfg: RunConfig, *, trainable: bool = True):
         super().__init__()
         self.run_config = cfg
-        self.student_config = cfg.models.student
-        self.transformer, self.kind = build_transformer(self.student_config)
+        self.student_config = st = cfg.models.student
+        self.layout = WanLayout.read(st)
+        self.expert = self._resolve_expert(st)
+        if self.expert == "both":
+            high, self.kind = build_transformer(st, EXPERT_SUBFOLDERS["high_noise"])
+            low, _ = build_transformer(st, EXPERT_SUBFOLDERS["low_noise"])
+            self.transformer = ExpertPair(high, low)
+            modules = [high, low]
+        else:
+            self.transformer, self.kind = build_transformer(st, self._subfolder(st))
+            modules = [self.transformer]
         self._trainable = trainable
-        self.supports_per_frame_timesteps = self.kind in ("wan", "skyreels_v2")
-        self.patch_size = tuple(self.transformer.config.patch_size)
-        self.in_channels = int(self.transformer.config.in_channels)
+        config = modules[0].config
+        self.patch_size = tuple(config.patch_size)
+        self.in_channels = int(config.out_channels or config.in_channels)  # latent channels of the data
+        self.condition_channels = int(config.in_channels) - self.in_channels  # mask + condition latent (I2V)
+        self.uses_image_features = config.get("image_dim") is not None
+        self.task = self._resolve_task(st)
+        self.capabilities = Capabilities(
+            per_frame_timesteps=True, causal_attention=True, image_conditioning=self.task == "i2v"
+        )
         self.transformer.requires_grad_(trainable)
         # Block-causal self-attention (fv_accel/models/attention.py), block size = method.chunk_size.
-        self.supports_causal_attention = True
         self.causal_attention = None
-        if self.student_config.causal:
+        if st.causal:
             from fv_accel.config import parse_chunk_size
             from fv_accel.models.attention import CausalSpec, install_causal_attention
 
+            if self.expert == "both":
+                raise ValueError(
+                    "models.student.causal with models.student.expert: both is not supported: train a causal "
+                    "student one expert at a time (high_noise, low_noise)"
+                )
             self.causal_block_size = parse_chunk_size(cfg.method.chunk_size)
-            spec = CausalSpec(
-                self.causal_block_size, self.student_config.local_attn_size, self.student_config.sink_size
-            )
-            self.causal_attention = install_causal_attention(
-                self.transformer, spec, self.student_config.causal_attention_backend
-            )
+            spec = CausalSpec(self.causal_block_size, st.local_attn_size, st.sink_size)
+            self.causal_attention = install_causal_attention(self.transformer, spec, st.causal_attention_backend)
         self._check_saved_attention()
         # LoRA (peft): base frozen, adapter trainable in fp32; PiSSA's initial adapter is kept to
         # export against the original base (fv_accel/models/lora.py).
-        self.lora_enabled = bool(self.student_config.lora.enable and trainable)
+        self.lora_enabled = bool(st.lora.enable and trainable)
         self.pissa_init_adapter: Optional[dict] = None
         if self.lora_enabled:
             from fv_accel.models.lora import apply_lora
 
-            self.pissa_init_adapter = apply_lora(self.transformer, self.student_config.lora)
-        self.input_dtype = self.transformer.patch_embedding.weight.dtype
-        self.per_frame_time_embedding = (
-            PerFrameTimeEmbedding(self.transformer) if self.kind == "wan" else None
+            if self.expert == "both" and st.lora.init == "pissa":
+                raise ValueError("models.student.lora.init: pissa with models.student.expert: both is not supported")
+            for module in modules:
+                self.pissa_init_adapter = apply_lora(module, st.lora)
+        self.input_dtype = modules[0].patch_embedding.weight.dtype
+        self.per_frame_time_embeddings = (
+            [PerFrameTimeEmbedding(module) for module in modules] if self.kind == "wan" else []
         )
         if cfg.training.model.enable_gradient_checkpointing_type == "full":
             self.transformer.enable_gradient_checkpointing()
-        self.latents_mean: Optional[torch.Tensor] = None
-        self.latents_std: Optional[torch.Tensor] = None
+
+    # ---- variants ----
+    def _resolve_expert(self, st: StudentConfig) -> Optional[str]:
+        where = st.init_from or "models.student.transformer_config"
+        if self.layout.two_experts and self.layout.boundary_ratio is not None:
+            if st.expert is None:
+                raise ValueError(
+                    f"model '{where}' has two experts (transformer: high noise, transformer_2: low noise, "
+                    f"boundary_ratio {self.layout.boundary_ratio}): set models.student.expert to high_noise, low_noise or both"
+                )
+            return st.expert
+        if st.expert is not None:
+            raise ValueError(
+                f"models.student.expert is {st.expert!r} but model '{where}' has one transformer "
+                f"(no transformer_2 and boundary_ratio in its model_index.json): remove the key"
+            )
+        return None
+
+    def _subfolder(self, st: StudentConfig) -> str:
+        if self.expert in (None, "both"):
+            return st.subfolder
+        wanted = EXPERT_SUBFOLDERS[self.expert]
+        if st.subfolder not in ("transformer", wanted):
+            raise ValueError(
+                f"models.student.subfolder {st.subfolder!r} contradicts models.student.expert {self.expert!r} "
+                f"(its weights are in {wanted!r}): remove models.student.subfolder"
+            )
+        return wanted
+
+    def _resolve_task(self, st: StudentConfig) -> str:
+        where = st.init_from or "models.student.transformer_config"
+        if self.condition_channels:  # a channel-concat image-to-video transformer
+            if self.condition_channels != 4 + self.in_channels:
+                raise ValueError(
+                    f"model '{where}': a transformer with in_channels {self.in_channels + self.condition_channels} "
+                    f"and out_channels {self.in_channels} is neither text-to-video nor Wan image-to-video "
+                    f"(in = 2 * out + 4)"
+                )
+            if st.task == "t2v":
+                raise ValueError(f"models.student.task is t2v but model '{where}' is an image-to-video model")
+            return "i2v"
+        if st.task == "i2v" and not self.layout.expand_timesteps:
+            raise ValueError(
+                f"models.student.task is i2v but model '{where}' takes no image condition (neither a 36-channel "
+                f"image-to-video transformer nor an expand_timesteps model such as Wan2.2-TI2V-5B)"
+            )
+        return "i2v" if st.task == "i2v" else "t2v"
+
+    @property
+    def boundary_timestep(self) -> float:
+        """Timesteps >= this go to the high-noise expert (diffusers' `boundary_ratio * N`)."""
+        return float(self.layout.boundary_ratio) * 1000.0
+
+    def timestep_bounds(self) -> Optional[tuple[float, float]]:
+        if self.expert in (None, "both"):
+            return None
+        b = self.boundary_timestep
+        return (b, math.inf) if self.expert == "high_noise" else (-math.inf, b)
+
+    def describe_timestep_bounds(self) -> str:
+        return f"expert {self.expert} of boundary_ratio {self.layout.boundary_ratio}"
 
     # ---- set-up ----
     def init_preprocessors(self, training_config: Any) -> None:
-        self.table = FlowMatchTable(self.student_config.flow_shift)
-        self.training_model_config = training_config.model
-        mean, std = self.student_config.latents_mean, self.student_config.latents_std
-        if mean is None and self.student_config.init_from is not None:
-            vae_config = load_component_config(self.student_config, "vae")
+        del training_config
+        st = self.student_config
+        mean, std = st.latents_mean, st.latents_std
+        where = "models.student"
+        if mean is None and st.init_from is not None:
+            vae_config = load_component_config(st, "vae")
             if vae_config is not None and vae_config.get("latents_mean") is not None:
                 mean, std = vae_config["latents_mean"], vae_config["latents_std"]
-        if mean is not None:
-            if len(mean) != self.in_channels or len(std) != self.in_channels:
-                raise ValueError(
-                    f"models.student.latents_mean/latents_std: {len(mean)}/{len(std)} values for a "
-                    f"transformer with {self.in_channels} latent channels"
-                )
-            self.latents_mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
-            self.latents_std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1, 1)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        if self.latents_mean is None:
-            return latents
-        return (latents - self.latents_mean.to(latents.device)) / self.latents_std.to(latents.device)
+                where = f"{st.init_from}/vae/config.json"
+        self.set_latent_statistics(mean, std, where)
 
     # ---- per step ----
-    def prepare_batch(
-        self, batch: dict, *, generator: GeneratorLike, latents_source: str = "data"
-    ) -> TrainingBatch:
-        """Normalise latents, draw noise then homogeneous timesteps, noise the latents.
+    def build_conditioning(self, batch: dict) -> Conditioning:
+        cond = super().build_conditioning(batch)
+        if self.task != "i2v":
+            return cond
+        if self.layout.expand_timesteps and not self.condition_channels:
+            cond.clean_frames = 1  # the first latent frame is the condition itself
+        else:
+            first = batch.get("first_frame_latent")
+            if first is None:
+                raise ValueError(
+                    "an image-to-video student needs the 'first_frame_latent' column (the VAE latent of the first "
+                    "frame followed by zeros): preprocess the clips with this model (python -m fv_accel.preprocess "
+                    "--model ...)"
+                )
+            # Stored normalised (FastVideo's I2V column; diffusers' prepare_latents builds the same).
+            cond.condition_latent = first.to(device=self.device, dtype=torch.float32)
+        if self.uses_image_features:
+            image = batch.get("clip_feature")
+            if image is None:
+                raise ValueError(
+                    "this image-to-video model takes CLIP image features: the dataset lacks the 'clip_feature' "
+                    "column; preprocess the clips with this model (python -m fv_accel.preprocess --model ...)"
+                )
+            cond.image = image.to(device=self.device, dtype=torch.float32)
+        return cond
 
-        Draw order on the generator: noise [B, C, T, H, W], then u [B] (REFERENCE.md section 2).
-        """
-        if latents_source != "data":
-            raise ValueError(f"latents_source={latents_source!r}: only 'data' is supported")
-        if self.table is None:
-            raise RuntimeError("init_preprocessors() must run before prepare_batch()")
-        device = self.accelerator.device if self.accelerator is not None else self.device
-        latents = batch["vae_latent"].to(device=device, dtype=torch.float32)
-        if latents.ndim != 5:
-            raise ValueError(f"batch['vae_latent'] must be [B, C, T, H, W], got {tuple(latents.shape)}")
-        if latents.shape[1] != self.in_channels:
-            raise ValueError(
-                f"latents have {latents.shape[1]} channels but the transformer expects {self.in_channels}"
-            )
-        latents = self.normalize_latents(latents)
-        bsz = latents.shape[0]
-        noise = randn(latents.shape, generator, device)
-        tm = self.training_model_config
-        idx = self.table.sample_homogeneous_indices(
-            bsz,
-            generator,
-            device,
-            weighting_scheme=tm.weighting_scheme,
-            logit_mean=tm.logit_mean,
-            logit_std=tm.logit_std,
-            mode_scale=tm.mode_scale,
-        )
-        sigmas = self.table.sigmas_at(idx)
-        text = batch["text_embedding"].to(device=device, dtype=torch.float32)
-        mask = batch.get("text_attention_mask")
-        return TrainingBatch(
-            latents=latents,
-            noise=noise,
-            noisy_model_input=self.table.add_noise(latents, noise, sigmas),
-            timestep_indices=idx,
-            sigmas=sigmas,
-            timesteps=self.table.timesteps_at(idx),
-            encoder_hidden_states=text,
-            encoder_attention_mask=None if mask is None else mask.to(device),
-        )
+    def model_input(self, x_t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """x_t, or for a channel-concat image-to-video transformer [x_t, first-frame mask, condition]."""
+        if not self.condition_channels:
+            return x_t
+        if cond.condition_latent is None:
+            raise ValueError("an image-to-video transformer needs conditioning.condition_latent")
+        b, _, t, h, w = x_t.shape
+        mask = x_t.new_zeros(b, self.condition_channels - self.in_channels, t, h, w)
+        mask[:, :, 0] = 1.0  # the latent frame that holds the given first frame
+        return torch.cat([x_t, mask, cond.condition_latent.to(x_t.dtype)], dim=1)
 
     def timestep_input(self, timesteps: torch.Tensor, latent_shape: torch.Size) -> tuple[torch.Tensor, dict]:
         """The timestep tensor and extra kwargs the transformer needs for [B] or per-frame [B, T]."""
@@ -265,50 +457,153 @@ class WanStudent(ModelBase):
             )
         if self.kind == "skyreels_v2":
             return timesteps, {"enable_diffusion_forcing": True}
-        if self.kind == "wan":
-            p_t, p_h, p_w = self.patch_size
-            if p_t != 1:
-                raise ValueError("per-frame timesteps need a temporal patch size of 1")
-            tokens_per_frame = (latent_shape[3] // p_h) * (latent_shape[4] // p_w)
-            return timesteps.repeat_interleave(tokens_per_frame, dim=1), {}
-        raise ValueError(f"{self.kind} transformer cannot take per-frame timesteps")
+        p_t, p_h, p_w = self.patch_size
+        if p_t != 1:
+            raise ValueError("per-frame timesteps need a temporal patch size of 1")
+        tokens_per_frame = (latent_shape[3] // p_h) * (latent_shape[4] // p_w)
+        return timesteps.repeat_interleave(tokens_per_frame, dim=1), {}
 
-    def predict_noise(
-        self,
-        noisy_latents: torch.Tensor,
-        timesteps: torch.Tensor,
-        training_batch: TrainingBatch,
-        *,
-        conditional: bool = True,
-        attn_kind: str = "dense",
-    ) -> torch.Tensor:
-        """The transformer's output for x_t, read as a flow velocity; [B, C, T, H, W]."""
-        del attn_kind  # attention kind is fixed by the installed attention processor
-        text = training_batch.encoder_hidden_states
-        if not conditional:
-            text = torch.zeros_like(text)
-        t, extra = self.timestep_input(timesteps, noisy_latents.shape)
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The transformer's output for x_t, read as a flow velocity; [B, C, T, H, W].
+
+        With both experts, each sample ([B] timesteps) or each frame ([B, T]) is denoised by the
+        expert its timestep belongs to (high noise for t >= boundary, as diffusers' pipelines)."""
+        if self.expert != "both":
+            return self._expert_forward(None, x_t, t, cond)
+        high = t >= self.boundary_timestep
+        if bool(high.all()) or not bool(high.any()):
+            return self._expert_forward("high_noise" if bool(high.all()) else "low_noise", x_t, t, cond)
+        if t.ndim == 1:  # split the batch by sample
+            hi, lo = high.nonzero().flatten(), (~high).nonzero().flatten()
+            out = torch.cat(
+                [
+                    self._expert_forward("high_noise", x_t[hi], t[hi], subset_conditioning(cond, hi)),
+                    self._expert_forward("low_noise", x_t[lo], t[lo], subset_conditioning(cond, lo)),
+                ]
+            )
+            return out[torch.cat([hi, lo]).argsort()]
+        # per frame: both experts see the whole clip; each frame takes its own expert's output
+        out_high = self._expert_forward("high_noise", x_t, t, cond)
+        out_low = self._expert_forward("low_noise", x_t, t, cond)
+        return torch.where(high[:, None, :, None, None], out_high, out_low)
+
+    def _expert_forward(self, expert: Optional[str], x_t: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        t_in, extra = self.timestep_input(t, x_t.shape)
         # The patch embedding's dtype, not the first parameter's: diffusers keeps some tables in fp32.
         dtype = self.input_dtype
-        per_frame = self.per_frame_time_embedding if timesteps.ndim == 2 and t.ndim == 2 else None
-        if per_frame is not None:
-            per_frame.tokens_per_frame = t.shape[1] // timesteps.shape[1]
+        if cond.image is not None:
+            extra["encoder_hidden_states_image"] = cond.image.to(dtype)
+        if expert is not None:
+            extra["expert"] = expert
+        per_frame = t.ndim == 2 and t_in.ndim == 2
+        for embedding in self.per_frame_time_embeddings if per_frame else ():
+            embedding.tokens_per_frame = t_in.shape[1] // t.shape[1]
         try:
             out = self.transformer(
-                hidden_states=noisy_latents.to(dtype),
-                timestep=t,
-                encoder_hidden_states=text.to(dtype),
+                hidden_states=self.model_input(x_t, cond).to(dtype),
+                timestep=t_in,
+                encoder_hidden_states=cond.text.to(dtype),
                 return_dict=False,
                 **extra,
             )[0]
         finally:
-            if per_frame is not None:
-                per_frame.tokens_per_frame = None
+            for embedding in self.per_frame_time_embeddings if per_frame else ():
+                embedding.tokens_per_frame = None
         return out
+
+    # ---- sample videos ----
+    def sample_latents(
+        self,
+        vae: torch.nn.Module,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: Optional[torch.Tensor],
+        *,
+        height: int,
+        width: int,
+        num_frames: int,
+        num_inference_steps: int,
+        guidance_scale: float,
+        shift: float,
+        generator: torch.Generator,
+        first_frame: Optional[Any] = None,
+        image_features: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """A sample through the repo's own diffusers pipeline (WanPipeline, or WanImageToVideoPipeline
+        from `first_frame`, a uint8 [H, W, 3] image) around the live transformer; returns the
+        normalised latents. A single Wan 2.2 expert samples with the base repo's other expert."""
+        from diffusers import WanImageToVideoPipeline, WanPipeline
+
+        from fv_accel.sampling import sampling_scheduler
+
+        if self.kind == "skyreels_v2":
+            return None  # the diffusion-forcing sampler over `forward` (validation's default)
+
+        transformer, transformer_2 = self.transformer, None
+        if self.expert == "both":
+            transformer, transformer_2 = self.transformer.high, self.transformer.low
+        elif self.expert is not None:
+            other = self._other_expert().to(self.device)
+            transformer, transformer_2 = (transformer, other) if self.expert == "high_noise" else (other, transformer)
+        parts = dict(
+            tokenizer=None,
+            text_encoder=None,
+            vae=vae,
+            scheduler=sampling_scheduler(shift),
+            transformer=transformer,
+            transformer_2=transformer_2,
+            boundary_ratio=self.layout.boundary_ratio if self.expert is not None else None,
+            expand_timesteps=self.layout.expand_timesteps,
+        )
+        call: dict[str, Any] = {}
+        if self.task == "i2v":
+            if first_frame is None:
+                raise ValueError("an image-to-video sample needs a first frame")
+            from PIL import Image
+
+            pipe = WanImageToVideoPipeline(image_encoder=None, image_processor=None, **parts)
+            call["image"] = Image.fromarray(np.asarray(first_frame, dtype=np.uint8))
+            if self.uses_image_features:
+                call["image_embeds"] = image_features.to(self.device)
+        else:
+            pipe = WanPipeline(**parts)
+        pipe.set_progress_bar_config(disable=True)
+        try:
+            out = pipe(
+                prompt_embeds=prompt_embeds,
+                negative_prompt_embeds=negative_prompt_embeds if guidance_scale > 1.0 else None,
+                height=height,
+                width=width,
+                num_frames=num_frames,
+                num_inference_steps=num_inference_steps,
+                guidance_scale=guidance_scale,
+                generator=generator,
+                output_type="latent",
+                return_dict=False,
+                **call,
+            )[0]
+        finally:
+            if self.expert in ("high_noise", "low_noise"):
+                self._other_expert().to("cpu")
+        return out.float()
+
+    def _other_expert(self) -> torch.nn.Module:
+        """The frozen other expert of the base repo (for sample videos), kept on the CPU between uses."""
+        if getattr(self, "_other", None) is None:
+            other = "low_noise" if self.expert == "high_noise" else "high_noise"
+            module, _ = build_transformer(self.student_config, EXPERT_SUBFOLDERS[other])
+            self._other = module.eval().requires_grad_(False)
+        return self._other
 
     # ---- LoRA state (checkpoints and final files) ----
     def attach_accelerator(self, accelerator: Any) -> None:
         super().attach_accelerator(accelerator)
+        from accelerate.utils import DistributedType
+
+        if self.expert == "both" and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise ValueError(
+                f"models.student.expert: both runs under DDP or one process, not {accelerator.distributed_type.value}: "
+                f"train the experts one at a time (high_noise, low_noise) with a sharded engine"
+            )
         if self.lora_enabled:
             from fv_accel.models.lora import register_adapter_checkpointing
 
@@ -318,12 +613,13 @@ class WanStudent(ModelBase):
                 lambda: self.transformer,
                 lambda: self.lora_files_state(accelerator),
                 self.load_lora_files_state,
-                kind=self.kind,
+                pipeline_cls=self.lora_pipeline_class(self.kind),
             )
 
     def lora_files_state(self, accelerator: Any = None) -> tuple[dict, dict]:
         """The adapter as written to files (diffusers keys, fp32) and its metadata, against the
-        original base. Collective under FSDP/DeepSpeed (gathers the sharded state dict)."""
+        original base. Collective under FSDP/DeepSpeed (gathers the sharded state dict). With both
+        experts, the keys carry the expert's name (`high_noise.` / `low_noise.`)."""
         from accelerate.utils import DistributedType
 
         from fv_accel.models.lora import adapter_metadata, adapter_state_dict, deployable_lora
@@ -334,8 +630,15 @@ class WanStudent(ModelBase):
             if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
                 full = accelerator.get_state_dict(self.transformer)
             module = accelerator.unwrap_model(self.transformer)
-        state = adapter_state_dict(module, full_state_dict=full)
-        return deployable_lora(state, adapter_metadata(module), self.pissa_init_adapter)
+        if self.expert != "both":
+            state = adapter_state_dict(module, full_state_dict=full)
+            return deployable_lora(state, adapter_metadata(module), self.pissa_init_adapter)
+        state: dict = {}
+        for name in EXPERT_SUBFOLDERS:
+            expert = module.expert(name)
+            part, metadata = deployable_lora(adapter_state_dict(expert), adapter_metadata(expert), None)
+            state.update({f"{name}.{k}": v for k, v in part.items()})
+        return state, metadata
 
     def load_lora_files_state(self, state: dict, metadata: Optional[dict]) -> None:
         """Restore the trained adapter from a file written by `lora_files_state` (resume)."""
@@ -350,7 +653,22 @@ class WanStudent(ModelBase):
                 f"the checkpoint's LoRA has rank {None if metadata is None else metadata.get('r')} but "
                 f"models.student.lora is rank {lora.rank}, init {lora.init} (expected {expected_rank} in the file)"
             )
-        set_adapter_state_dict(module, trained_part_of_deployable(state, metadata, lora))
+        if self.expert != "both":
+            set_adapter_state_dict(module, trained_part_of_deployable(state, metadata, lora))
+            return
+        for name in EXPERT_SUBFOLDERS:
+            part = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
+            if not part:
+                raise ValueError(f"the checkpoint's LoRA holds no adapter of the {name} expert (models.student.expert: both)")
+            set_adapter_state_dict(module.expert(name), part)
+
+    def _files_per_expert(self, state: dict) -> dict[Optional[str], dict]:
+        if self.expert != "both":
+            return {None: state}
+        return {
+            name: {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
+            for name in EXPERT_SUBFOLDERS
+        }
 
     def causal_spec(self) -> Any:
         return None if self.causal_attention is None else self.causal_attention.spec
@@ -377,6 +695,8 @@ class WanStudent(ModelBase):
             "variant": st.variant,
             "torch_dtype": st.torch_dtype,
             "model_class": self.kind,
+            "expert": self.expert,
+            "task": self.task,
             "transformer_config": None if st.init_from is not None else st.transformer_config,
         }
 
@@ -424,10 +744,21 @@ class WanStudent(ModelBase):
 
             state, metadata = self.lora_files_state(accelerator)
             if accelerator.is_main_process:
-                save_lora_outputs(output_dir, state, metadata, kind=self.kind, base=self.base_model_info())
+                for name, part in self._files_per_expert(state).items():
+                    save_lora_outputs(
+                        output_dir, part, metadata, family=type(self), kind=self.kind, base=self.base_model_info(),
+                        suffix="" if name is None else LORA_FILE_SUFFIX[name],
+                    )
             accelerator.wait_for_everyone()
             return
-        out = Path(output_dir) / "transformer"
+        if self.expert == "both":
+            if accelerator.is_main_process:
+                pair = accelerator.unwrap_model(self.transformer)
+                for name, sub in EXPERT_SUBFOLDERS.items():
+                    pair.expert(name).save_pretrained(Path(output_dir) / sub, safe_serialization=True)
+            accelerator.wait_for_everyone()
+            return
+        out = Path(output_dir) / (EXPERT_SUBFOLDERS[self.expert] if self.expert else "transformer")
         sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         state_dict = accelerator.get_state_dict(self.transformer) if sharded else None
         if accelerator.is_main_process:

@@ -39,7 +39,7 @@ class TeacherForcingSFTMethod(DiffusionForcingSFTMethod):
     def __init__(self, *, cfg: Any, role_models: dict[str, ModelBase]) -> None:
         super().__init__(cfg=cfg, role_models=role_models)
         self._context_timestep = parse_context_timestep(
-            self.method_config.get("context_timestep", 0.0), self.student.table.num_train_timesteps
+            self.method_config.get("context_timestep", 0.0), self.table.num_train_timesteps
         )
 
     def _check_student(self) -> None:
@@ -62,9 +62,9 @@ class TeacherForcingSFTMethod(DiffusionForcingSFTMethod):
         context_t = torch.full_like(tb.timesteps, self._context_timestep)
         if self._context_timestep > 0:
             # Noise augmentation of the context: x_c = (1 - s) x0 + s eps_c with s = t_c / N.
-            sigma = torch.full_like(tb.sigmas, self._context_timestep / self.student.table.num_train_timesteps)
+            sigma = torch.full_like(tb.sigmas, self._context_timestep / self.table.num_train_timesteps)
             context_noise = randn(tb.latents.shape, generator, tb.latents.device)
-            context = self.student.table.add_noise(tb.latents, context_noise, sigma)
+            context = self.table.add_noise(tb.latents, context_noise, sigma)
         _, pred = self.student.predict_noise_teacher_forcing(
             context, context_t, tb.noisy_model_input, tb.timesteps, tb, conditional=True
         )
