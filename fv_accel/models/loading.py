@@ -71,24 +71,30 @@ def explain_load_error(
 
 
 def fetch_config(
-    model_id: str, subfolder: Optional[str] = None, *, revision: Optional[str] = None, required: bool = True
+    model_id: str,
+    subfolder: Optional[str] = None,
+    *,
+    revision: Optional[str] = None,
+    required: bool = True,
+    filename: str = "config.json",
 ) -> Optional[dict[str, Any]]:
-    """`<subfolder>/config.json` of a Hub id (cache honoured) or local folder; None if absent and not
-    required. Fetching this small file first turns a missing model into a clear error early."""
+    """`<subfolder>/<filename>` (config.json unless given) of a Hub id (cache honoured) or local
+    folder; None if absent and not required. Fetching this small file first turns a missing model
+    into a clear error early."""
     local = Path(model_id)
     where = subfolder or "."
     if local.exists():
-        path = local / (subfolder or "") / "config.json"
+        path = local / (subfolder or "") / filename
         if not path.is_file():
             if required:
-                raise ModelLoadError(f"model folder '{model_id}' has no {where}/config.json (diffusers layout expected)")
+                raise ModelLoadError(f"model folder '{model_id}' has no {where}/{filename} (diffusers layout expected)")
             return None
     else:
         from huggingface_hub import hf_hub_download
         from huggingface_hub import errors as hf_errors
 
         try:
-            path = Path(hf_hub_download(model_id, "config.json", subfolder=subfolder or None, revision=revision))
+            path = Path(hf_hub_download(model_id, filename, subfolder=subfolder or None, revision=revision))
         except (hf_errors.HFValidationError, ValueError) as err:
             raise ModelLoadError(
                 f"model '{model_id}' is neither an existing local folder nor a valid Hub id ({_first_line(err)})"
@@ -101,12 +107,12 @@ def fetch_config(
                 return None
             if not required and isinstance(err, hf_errors.LocalEntryNotFoundError):
                 return None
-            raise explain_load_error(model_id, f"{where}/config.json", err, revision=revision) from None
+            raise explain_load_error(model_id, f"{where}/{filename}", err, revision=revision) from None
     with open(path, encoding="utf-8") as fh:
         try:
             return json.load(fh)
         except json.JSONDecodeError as err:
-            raise ModelLoadError(f"model '{model_id}': {where}/config.json is not valid JSON ({err})") from None
+            raise ModelLoadError(f"model '{model_id}': {where}/{filename} is not valid JSON ({err})") from None
 
 
 def load_component_config(cfg: StudentConfig, subfolder: Optional[str], required: bool = False) -> Optional[dict[str, Any]]:
@@ -144,7 +150,8 @@ def load_transformer(cfg: StudentConfig, classes: dict[str, type], class_to_kind
 def load_vae(
     model_id: str, *, revision: Optional[str] = None, torch_dtype: torch.dtype = torch.float32, subfolder: str = "vae"
 ):
-    """The repo's `AutoencoderKLWan` (Wan and SkyReels-V2 share it), found like the transformer."""
+    """The repo's `AutoencoderKLWan` (the Wan 2.1 VAE of Wan 2.1, Wan 2.2 A14B and SkyReels-V2, or the
+    Wan 2.2 VAE of Wan2.2-TI2V-5B: one class, told apart by its config), found like the transformer."""
     from diffusers import AutoencoderKLWan
 
     fetch_config(model_id, subfolder, revision=revision, required=True)
@@ -183,3 +190,32 @@ def load_text_encoder(
     except (OSError, ValueError) as err:
         raise explain_load_error(model_id, f"tokenizer (subfolder '{tokenizer_subfolder}')", err, revision=revision) from None
     return tokenizer, text_encoder
+
+
+def load_image_encoder(
+    model_id: str,
+    *,
+    revision: Optional[str] = None,
+    torch_dtype: torch.dtype = torch.float32,
+    subfolder: str = "image_encoder",
+    processor_subfolder: str = "image_processor",
+):
+    """(image processor, CLIP vision tower) of an image-to-video repo (Wan 2.1 I2V), found like the
+    transformer. `CLIPVisionModel` also loads the tower of a `CLIPVisionModelWithProjection` checkpoint
+    (the projection, which Wan does not use, is left out)."""
+    from transformers import CLIPImageProcessor, CLIPVisionModel
+
+    fetch_config(model_id, subfolder, revision=revision, required=True)
+    try:
+        image_encoder = CLIPVisionModel.from_pretrained(
+            model_id, subfolder=subfolder, revision=revision, dtype=torch_dtype, use_safetensors=True
+        )
+    except (OSError, ValueError) as err:
+        raise explain_load_error(model_id, f"image encoder (subfolder '{subfolder}')", err, revision=revision) from None
+    try:
+        processor = CLIPImageProcessor.from_pretrained(model_id, subfolder=processor_subfolder, revision=revision)
+    except (OSError, ValueError) as err:
+        raise explain_load_error(
+            model_id, f"image processor (subfolder '{processor_subfolder}')", err, revision=revision
+        ) from None
+    return processor, image_encoder
