@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from fv_accel.data.schema import DATASET_INFO, make_row, write_dataset_info, write_rows
+from fv_accel.data.schema import DATASET_INFO, make_row, tensor_columns, write_dataset_info, write_rows
 from fv_accel.data.video import (
     MEDIA_EXTENSIONS,
     ClipError,
@@ -316,18 +316,26 @@ class _Stats:
     skipped: list = field(default_factory=list)
 
 
-def settings_fingerprint(model: str, revision: Optional[str], sampling: FrameSampling, dtype: torch.dtype, text_max_length: int) -> str:
-    return json.dumps(
-        {
-            "v": SETTINGS_VERSION,
-            "model": model,
-            "revision": revision,
-            "sampling": sampling.to_dict(),
-            "dtype": str(dtype).replace("torch.", ""),
-            "text_max_length": text_max_length,
-        },
-        sort_keys=True,
-    )
+def settings_fingerprint(
+    model: str,
+    revision: Optional[str],
+    sampling: FrameSampling,
+    dtype: torch.dtype,
+    text_max_length: int,
+    conditioning: Sequence[str] = ("text",),
+) -> str:
+    settings = {
+        "v": SETTINGS_VERSION,
+        "model": model,
+        "revision": revision,
+        "sampling": sampling.to_dict(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "text_max_length": text_max_length,
+    }
+    if tuple(conditioning) != ("text",):
+        # Image-to-video rows hold more columns: rows encoded without them are not reused.
+        settings["conditioning"] = list(conditioning)
+    return json.dumps(settings, sort_keys=True)
 
 
 def clip_key(content: str, caption: str, fingerprint: str) -> str:
@@ -412,7 +420,7 @@ def preprocess(
     main process (rank 0) writes skipped.jsonl and fv_dataset.json. `on_clip_done(clip, status)`
     is called after each clip ("encoded", "reused" or "skipped").
     """
-    from fv_accel.models.encoders import TEXT_MAX_LENGTH
+    from fv_accel.models.encoders import TEXT_MAX_LENGTH, describe_model
 
     t0 = time.perf_counter()
     if shard_size < 1:
@@ -424,7 +432,13 @@ def preprocess(
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     clips, form = list_inputs(input, video_column=video_column, caption_column=caption_column, split=split)
     num_shards = max(1, math.ceil(len(clips) / shard_size))
-    fingerprint = settings_fingerprint(model, revision, sampling, dtype, TEXT_MAX_LENGTH)
+    # What the model is conditioned on, from its configs (an encoder passed in without a spec is text-only).
+    spec = describe_model(model, revision=revision) if encoder is None else getattr(encoder, "spec", None)
+    conditioning = spec.conditioning if spec is not None else ("text",)
+    problem = spec.bucket_problem(sampling.buckets, f"'{model}'") if spec is not None else None
+    if problem:
+        raise InputError(f"--buckets {problem}")
+    fingerprint = settings_fingerprint(model, revision, sampling, dtype, TEXT_MAX_LENGTH, conditioning)
     pending = output / PENDING_DIR
     pending.mkdir(parents=True, exist_ok=True)
     if rank == 0:
@@ -440,7 +454,7 @@ def preprocess(
         if encoder is None:
             from fv_accel.models.encoders import TextVideoEncoder
 
-            encoder = TextVideoEncoder(model, device=device, dtype=dtype, revision=revision, vae_tiling=vae_tiling)
+            encoder = TextVideoEncoder(model, device=device, dtype=dtype, revision=revision, vae_tiling=vae_tiling, spec=spec)
         return encoder
 
     def encode(clip: ClipSource, payload: Union[Path, bytes], content: str, key: str) -> dict:
@@ -449,6 +463,10 @@ def preprocess(
         t = time.perf_counter()
         latent = enc.encode_video(got.frames)
         text = enc.encode_text(clip.caption.strip())
+        extra = {}
+        if conditioning != ("text",):
+            for name, value in enc.encode_conditioning(got.frames).items():
+                extra.update(tensor_columns(name, value))
         stats.encode_seconds += time.perf_counter() - t
         n, h, w = got.frames.shape[:3]
         image = is_image(clip.name)
@@ -465,6 +483,7 @@ def preprocess(
             duration_sec=0.0 if image or not got.fps else n / got.fps,
             fps=got.fps,
             fv_key=key,
+            **extra,
         )
 
     my_shards = [s for s in range(num_shards) if s % world_size == rank]
@@ -522,7 +541,7 @@ def preprocess(
     result = PreprocessResult(0, 0, 0, 0, 0.0, output, form, world_size)
     if rank == 0:
         vae_config = encoder.vae.config if encoder is not None else None
-        result = _finish(output, model, revision, sampling, num_shards, world_size, form, vae_config)
+        result = _finish(output, model, revision, sampling, num_shards, world_size, form, vae_config, conditioning)
         result.seconds = time.perf_counter() - t0
     if world_size > 1:
         barrier()
@@ -538,6 +557,7 @@ def _finish(
     world_size: int,
     form: str,
     vae_config: Any = None,
+    conditioning: Sequence[str] = ("text",),
 ) -> PreprocessResult:
     """Main process, after every process is done: skipped.jsonl, stale files, fv_dataset.json."""
     import pyarrow.parquet as pq
@@ -572,8 +592,30 @@ def _finish(
     pending.rmdir()
     if vae_config is None:  # nothing was encoded by this process: read the statistics, load nothing
         vae_config = AutoencoderKLWan.load_config(model, subfolder="vae", revision=revision)
-    write_dataset_info(output, model=model, vae_config=vae_config, preprocessing=sampling.to_dict(), num_rows=encoded)
+    write_dataset_info(
+        output,
+        model=model,
+        vae_config=vae_config,
+        preprocessing=sampling.to_dict(),
+        num_rows=encoded,
+        **conditioning_info(vae_config, conditioning),
+    )
     return PreprocessResult(encoded, len(skipped), newly, reused, 0.0, output, form, world_size)
+
+
+def conditioning_info(vae_config: Any, conditioning: Sequence[str]) -> dict:
+    """What fv_dataset.json says of the rows' conditioning and of the VAE that made them."""
+    info = {
+        "conditioning": list(conditioning),
+        "z_dim": int(vae_config.get("z_dim", 16)),
+        "scale_factor_spatial": int(vae_config.get("scale_factor_spatial") or 8),
+        "scale_factor_temporal": int(vae_config.get("scale_factor_temporal") or 4),
+    }
+    if "first_frame" in conditioning:
+        # first_frame_latent is stored normalised, (latent - latents_mean) / latents_std, as FastVideo
+        # stores it and WanImageToVideoPipeline feeds it; vae_latent stays raw.
+        info["first_frame_latent_normalized"] = True
+    return info
 
 
 # --------------------------------------------------------------------------------------------

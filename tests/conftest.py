@@ -37,6 +37,22 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_variant_dir(tmp_path_factory):
+    """tiny_variant_dir(name): the folder of the tiny model `name` (fv_accel.tiny.model.TINY_MODELS,
+    seed 0), written at its first use in the session."""
+    from fv_accel.tiny.model import write_tiny_variant
+
+    written = {}
+
+    def get(name: str):
+        if name not in written:
+            written[name] = write_tiny_variant(tmp_path_factory.mktemp("tiny_variant") / name, name, seed=0)
+        return written[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_data_path(_cache_dir):
     """The built-in tiny dataset (Parquet in FastVideo's schema), built once per session."""
     from fv_accel.config import default_recipe, load_config

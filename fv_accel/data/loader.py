@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from fv_accel.data.schema import REQUIRED_COLUMNS, bytes_to_tensor, parquet_files
+from fv_accel.data.schema import CONDITIONING_COLUMNS, REQUIRED_COLUMNS, bytes_to_tensor, parquet_files, read_tensor_column
 from fv_accel.seeding import sample_generator_seed
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ class LatentDataset(Dataset):
         if len(self.ds) == 0:
             raise ValueError(f"{self.data_path}: the dataset is empty (0 rows)")
         self.latent_shapes = [tuple(int(v) for v in s) for s in self.ds["vae_latent_shape"]]
+        # Image-to-video columns this dataset has (read into the batch where a row holds them).
+        self.conditioning_columns = [c for c in CONDITIONING_COLUMNS if f"{c}_bytes" in self.ds.column_names]
         self.text_max_length = text_max_length
         self.cfg_rate = float(cfg_rate)
         self.seed = seed
@@ -87,7 +89,7 @@ class LatentDataset(Dataset):
             )
             if torch.rand((), generator=g).item() < self.cfg_rate:
                 padded.zero_()
-        return {
+        item = {
             "vae_latent": latent.float(),
             "text_embedding": padded,
             "text_attention_mask": mask,
@@ -96,13 +98,41 @@ class LatentDataset(Dataset):
             "epoch": int(epoch),
             "position": int(position),
         }
+        for name in self.conditioning_columns:
+            value = read_tensor_column(row, name, where=where)
+            if value is not None:
+                item[name] = conditioning_tensor(name, value, tuple(latent.shape), where)
+        return item
+
+
+# name -> (dimensions, layout) of the image-to-video columns in an item.
+CONDITIONING_LAYOUTS = {"first_frame_latent": (4, "[C, T, H, W]"), "clip_feature": (2, "[L, D]"), "pil_image": (3, "[H, W, 3]")}
+
+
+def conditioning_tensor(name: str, value: torch.Tensor, latent_shape: tuple, where: str) -> torch.Tensor:
+    """An image-to-video column checked against its layout (a leading batch dimension of 1, as
+    FastVideo's batched writer may leave, is dropped): float32, or uint8 for `pil_image`."""
+    ndim, layout = CONDITIONING_LAYOUTS[name]
+    if value.ndim == ndim + 1 and value.shape[0] == 1:
+        value = value[0]
+    if value.ndim != ndim:
+        raise ValueError(f"{where}{name}: expected {layout}, stored shape {list(value.shape)}")
+    if name == "first_frame_latent" and tuple(value.shape) != latent_shape:
+        raise ValueError(
+            f"{where}first_frame_latent: shape {list(value.shape)} differs from vae_latent's {list(latent_shape)}"
+        )
+    if name == "pil_image":
+        if value.dtype != torch.uint8 or value.shape[-1] != 3:
+            raise ValueError(f"{where}pil_image: expected uint8 [H, W, 3], stored {str(value.dtype).replace('torch.', '')} {list(value.shape)}")
+        return value
+    return value.float()
 
 
 def collate(items: list[dict]) -> dict:
     shapes = {tuple(it["vae_latent"].shape) for it in items}
     if len(shapes) != 1:
         raise RuntimeError(f"a batch mixes latent shapes {sorted(shapes)} (bucketing bug)")
-    return {
+    batch = {
         "vae_latent": torch.stack([it["vae_latent"] for it in items]),
         "text_embedding": torch.stack([it["text_embedding"] for it in items]),
         "text_attention_mask": torch.stack([it["text_attention_mask"] for it in items]),
@@ -111,6 +141,17 @@ def collate(items: list[dict]) -> dict:
         "epoch": torch.tensor([it["epoch"] for it in items], dtype=torch.long),
         "position": items[0]["position"],
     }
+    for name in CONDITIONING_LAYOUTS:
+        holders = [it["sample_index"] for it in items if name in it]
+        if len(holders) == len(items):
+            batch[name] = torch.stack([it[name] for it in items])
+        elif holders:
+            lacking = [it["sample_index"] for it in items if name not in it]
+            raise RuntimeError(
+                f"a batch mixes samples with {name} (samples {holders}) and without it (samples {lacking}): "
+                "image-to-video and text-to-video datasets cannot be mixed"
+            )
+    return batch
 
 
 @dataclass

@@ -7,7 +7,7 @@ and dtype, plus the clip's metadata. Datasets preprocessed by FastVideo load unc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import torch
@@ -21,12 +21,18 @@ REQUIRED_COLUMNS = (
     "text_embedding_dtype",
 )
 METADATA_COLUMNS = ("id", "file_name", "caption", "media_type", "width", "height", "num_frames", "duration_sec", "fps")
+# FastVideo's image-to-video columns (each as <name>_bytes/_shape/_dtype): the normalised latent of
+# [first frame, zero frames] [C, T, H, W], the CLIP image features [L, D] and the first frame, uint8
+# [H, W, 3]. Optional: text-to-video rows lack them, and FastVideo writes empty bytes for a feature
+# its model has none of (clip_feature of Wan 2.2).
+CONDITIONING_COLUMNS = ("first_frame_latent", "clip_feature", "pil_image")
 
 _DTYPES = {
     "float32": np.float32,
     "float16": np.float16,
     "bfloat16": "bfloat16",
     "float64": np.float64,
+    "uint8": np.uint8,
 }
 
 
@@ -54,6 +60,20 @@ def bytes_to_tensor(raw: bytes, shape: Iterable[int], dtype: str, *, where: str 
     if t.numel() != int(np.prod(shape)):
         raise ValueError(f"{where}{t.numel()} values stored for shape {shape}")
     return t.reshape(shape)
+
+
+def tensor_columns(name: str, t: torch.Tensor) -> dict:
+    """`<name>_bytes`, `<name>_shape`, `<name>_dtype` of a tensor, as FastVideo stores one."""
+    raw, shape, dtype = tensor_to_bytes(t)
+    return {f"{name}_bytes": raw, f"{name}_shape": shape, f"{name}_dtype": dtype}
+
+
+def read_tensor_column(row: dict, name: str, *, where: str = "") -> Optional[torch.Tensor]:
+    """The tensor stored under `name` in a row, or None when the row has no such column or empty bytes."""
+    raw = row.get(f"{name}_bytes")
+    if not raw:
+        return None
+    return bytes_to_tensor(raw, row.get(f"{name}_shape") or [], row.get(f"{name}_dtype") or "", where=f"{where}{name}: ")
 
 
 def make_row(

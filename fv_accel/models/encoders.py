@@ -1,17 +1,103 @@
-"""Encoding clips and captions with a model's own VAE and text encoder (Hub id or local folder)."""
+"""Encoding clips and captions with a model's own VAE, text encoder and, for image-to-video
+models, image conditioning (Hub id or local folder).
+
+What a model is conditioned on is read from its configs (`describe_model`):
+
+- every model: the caption (`text`);
+- image-to-video models (model_index `_class_name` WanImageToVideoPipeline, or a transformer whose
+  input is [noisy latent, mask (4), condition latent], 2 * z_dim + 4 = 36 channels) and
+  `expand_timesteps` models (Wan2.2-TI2V-5B, trained on both tasks): the first frame
+  (`first_frame`), stored as FastVideo's I2V columns `first_frame_latent` and `pil_image`;
+- models whose transformer has image cross-attention (`image_dim`, Wan 2.1 I2V): the CLIP image
+  features of the first frame too (`clip_feature`).
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
+
 TEXT_MAX_LENGTH = 512
+TEXT = "text"
+FIRST_FRAME = "first_frame"
+CLIP_FEATURE = "clip_feature"
+IMAGE_TO_VIDEO_PIPELINES = ("WanImageToVideoPipeline",)
+# The transformer input of a channel-concatenating image-to-video model: [noisy latent (z_dim),
+# mask (4: the first pixel frame repeated over the VAE's 4x time compression), condition (z_dim)].
+MASK_CHANNELS = 4
+
+
+@dataclass(frozen=True)
+class EncodingSpec:
+    """What preprocessing stores for a model and at which geometry, from its configs alone."""
+
+    conditioning: tuple[str, ...]  # TEXT, then FIRST_FRAME, CLIP_FEATURE where the model takes them
+    z_dim: int
+    scale_factor_spatial: int
+    scale_factor_temporal: int
+    patch_size: tuple[int, int, int]
+
+    @property
+    def side_multiple(self) -> tuple[int, int]:
+        """(height, width) multiples a frame needs: the VAE's downsampling times the transformer's patch."""
+        return self.scale_factor_spatial * self.patch_size[1], self.scale_factor_spatial * self.patch_size[2]
+
+    def bucket_problem(self, buckets: Sequence[tuple[int, int]], model: str = "the model") -> Optional[str]:
+        """Why some buckets cannot be encoded for this model (naming them), or None."""
+        mh, mw = self.side_multiple
+        bad = [f"{h}x{w}" for h, w in buckets if h % mh or w % mw]
+        if not bad:
+            return None
+        sides = f"height and width must be multiples of {mh}" if mh == mw else f"height must be a multiple of {mh} and width of {mw}"
+        return (
+            f"{', '.join(bad)}: the VAE of {model} downsamples by {self.scale_factor_spatial} (vae/config.json "
+            f"scale_factor_spatial) and its transformer patches {self.patch_size[1]}x{self.patch_size[2]}, so "
+            f"{sides} (e.g. {2 * mh}x{2 * mw})"
+        )
+
+
+def describe_model(model: str, *, revision: Optional[str] = None) -> EncodingSpec:
+    """The model's conditioning and geometry from model_index.json, vae/ and transformer/ configs."""
+    from fv_accel.models.loading import fetch_config
+
+    index = fetch_config(model, None, revision=revision, required=False, filename="model_index.json") or {}
+    vae = fetch_config(model, "vae", revision=revision, required=True)
+    transformer = (
+        fetch_config(model, "transformer", revision=revision, required=False)
+        or fetch_config(model, "transformer_2", revision=revision, required=False)
+        or {}
+    )
+    if not index and not transformer:
+        logger.warning(
+            "model '%s' has neither model_index.json nor transformer/config.json: it is taken for a "
+            "text-to-video model (no first-frame columns)", model
+        )
+    z_dim = int(vae.get("z_dim", 16))
+    concat_input = transformer.get("in_channels") == 2 * z_dim + MASK_CHANNELS
+    conditioning = [TEXT]
+    if index.get("_class_name") in IMAGE_TO_VIDEO_PIPELINES or concat_input or index.get("expand_timesteps"):
+        conditioning.append(FIRST_FRAME)
+        if transformer.get("image_dim") is not None:
+            conditioning.append(CLIP_FEATURE)
+    patch = tuple(int(p) for p in transformer.get("patch_size") or (1, 2, 2))
+    return EncodingSpec(
+        conditioning=tuple(conditioning),
+        z_dim=z_dim,
+        scale_factor_spatial=int(vae.get("scale_factor_spatial") or 8),
+        scale_factor_temporal=int(vae.get("scale_factor_temporal") or 4),
+        patch_size=patch,  # type: ignore[arg-type]
+    )
 
 
 class TextVideoEncoder:
-    """The VAE (`AutoencoderKLWan`) and UMT5 text encoder of one model repo, in eval mode, no grad."""
+    """The VAE (`AutoencoderKLWan`), UMT5 text encoder and, for Wan 2.1 I2V, CLIP image encoder of
+    one model repo, in eval mode, no grad. `spec` says what the model is conditioned on."""
 
     def __init__(
         self,
@@ -22,12 +108,14 @@ class TextVideoEncoder:
         revision: Optional[str] = None,
         text_max_length: int = TEXT_MAX_LENGTH,
         vae_tiling: bool = False,
+        spec: Optional[EncodingSpec] = None,
     ):
-        from fv_accel.models.loading import load_text_encoder, load_vae
+        from fv_accel.models.loading import ModelLoadError, load_image_encoder, load_text_encoder, load_vae
 
         self.device = device or torch.device("cpu")
         self.dtype = dtype
         self.text_max_length = text_max_length
+        self.spec = spec or describe_model(model, revision=revision)
         # Found like the transformer: Hub id (cache honoured offline) or local folder, clear errors.
         self.vae = load_vae(model, revision=revision, torch_dtype=dtype)
         self.tokenizer, self.text_encoder = load_text_encoder(model, revision=revision, torch_dtype=dtype)
@@ -38,14 +126,68 @@ class TextVideoEncoder:
         # Tiles change the latents slightly (blended seams): only on request, for high resolutions.
         if vae_tiling and hasattr(self.vae, "enable_tiling"):
             self.vae.enable_tiling()
+        self.image_processor = self.image_encoder = None
+        if CLIP_FEATURE in self.spec.conditioning:
+            # fp32 whatever `dtype`, as the pipelines run it (it is small beside the VAE's activations).
+            self.image_processor, self.image_encoder = load_image_encoder(model, revision=revision)
+            self.image_encoder.to(self.device).eval().requires_grad_(False)
+        if FIRST_FRAME in self.spec.conditioning:
+            mean, std = self.vae.config.get("latents_mean"), self.vae.config.get("latents_std")
+            if not mean or not std:
+                raise ModelLoadError(
+                    f"model '{model}': vae/config.json has no latents_mean/latents_std, needed to normalise the "
+                    "first-frame latent of an image-to-video model"
+                )
+            shape = (-1, 1, 1, 1)
+            self.latents_mean = torch.tensor(mean, dtype=torch.float32).view(shape)
+            self.latents_std = torch.tensor(std, dtype=torch.float32).view(shape)
+
+    def _video(self, frames: np.ndarray) -> torch.Tensor:
+        """uint8 [F, H, W, 3] -> [1, 3, F, H, W] in [-1, 1] on the device."""
+        video = torch.from_numpy(np.ascontiguousarray(frames)).permute(3, 0, 1, 2)[None]
+        return video.to(self.device, torch.float32) / 127.5 - 1.0
 
     @torch.no_grad()
     def encode_video(self, frames: np.ndarray) -> torch.Tensor:
-        """uint8 [F, H, W, 3] -> raw (unnormalised) latent [C, T, H/8, W/8], the posterior's mode."""
-        video = torch.from_numpy(np.ascontiguousarray(frames)).permute(3, 0, 1, 2)[None]
-        video = video.to(self.device, torch.float32) / 127.5 - 1.0
-        latent = self.vae.encode(video.to(self.dtype)).latent_dist.mode()
+        """uint8 [F, H, W, 3] -> raw (unnormalised) latent [C, T, H/s, W/s] (s: the VAE's spatial
+        factor, 8 or 16), the posterior's mode."""
+        latent = self.vae.encode(self._video(frames).to(self.dtype)).latent_dist.mode()
         return latent[0].float().cpu()
+
+    @torch.no_grad()
+    def encode_first_frame(self, frames: np.ndarray) -> torch.Tensor:
+        """uint8 [F, H, W, 3] -> [C, T, H/s, W/s]: the latent of the clip's first frame followed by F - 1
+        zero frames (as WanImageToVideoPipeline.prepare_latents builds `video_condition`), the
+        posterior's mode, normalised with the VAE's latents_mean/std as that pipeline and FastVideo's
+        I2V preprocessing store it. The VAE is causal in time, so latent frame 0 is also the latent of
+        the first frame alone (the condition of `expand_timesteps` models)."""
+        video = self._video(frames)
+        condition = torch.zeros_like(video)
+        condition[:, :, 0] = video[:, :, 0]
+        latent = self.vae.encode(condition.to(self.dtype)).latent_dist.mode()[0].float().cpu()
+        return (latent - self.latents_mean) / self.latents_std
+
+    @torch.no_grad()
+    def encode_image(self, frame: np.ndarray) -> torch.Tensor:
+        """uint8 [H, W, 3] -> [L, D] CLIP features: the image encoder's penultimate hidden states, as
+        WanImageToVideoPipeline.encode_image computes them ([257, 1280] for Wan 2.1 I2V)."""
+        from PIL import Image
+
+        inputs = self.image_processor(images=Image.fromarray(np.ascontiguousarray(frame)), return_tensors="pt")
+        pixels = inputs["pixel_values"].to(self.device, self.image_encoder.dtype)
+        hidden = self.image_encoder(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
+        return hidden[0].float().cpu()
+
+    def encode_conditioning(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
+        """The image conditioning of a clip, by FastVideo column name: `first_frame_latent`,
+        `pil_image` (the first frame, uint8 [H, W, 3]) and `clip_feature`, where the model takes them."""
+        out: dict[str, torch.Tensor] = {}
+        if FIRST_FRAME in self.spec.conditioning:
+            out["first_frame_latent"] = self.encode_first_frame(frames)
+            out["pil_image"] = torch.from_numpy(np.array(frames[0], dtype=np.uint8))
+        if CLIP_FEATURE in self.spec.conditioning:
+            out["clip_feature"] = self.encode_image(frames[0])
+        return out
 
     @torch.no_grad()
     def encode_text(self, caption: str) -> torch.Tensor:

@@ -153,7 +153,8 @@ def load_transformer(
 def load_vae(
     model_id: str, *, revision: Optional[str] = None, torch_dtype: torch.dtype = torch.float32, subfolder: str = "vae"
 ):
-    """The repo's `AutoencoderKLWan` (Wan and SkyReels-V2 share it), found like the transformer."""
+    """The repo's `AutoencoderKLWan` (the Wan 2.1 VAE of Wan 2.1, Wan 2.2 A14B and SkyReels-V2, or the
+    Wan 2.2 VAE of Wan2.2-TI2V-5B: one class, told apart by its config), found like the transformer."""
     from diffusers import AutoencoderKLWan
 
     fetch_config(model_id, subfolder, revision=revision, required=True)
@@ -192,3 +193,32 @@ def load_text_encoder(
     except (OSError, ValueError) as err:
         raise explain_load_error(model_id, f"tokenizer (subfolder '{tokenizer_subfolder}')", err, revision=revision) from None
     return tokenizer, text_encoder
+
+
+def load_image_encoder(
+    model_id: str,
+    *,
+    revision: Optional[str] = None,
+    torch_dtype: torch.dtype = torch.float32,
+    subfolder: str = "image_encoder",
+    processor_subfolder: str = "image_processor",
+):
+    """(image processor, CLIP vision tower) of an image-to-video repo (Wan 2.1 I2V), found like the
+    transformer. `CLIPVisionModel` also loads the tower of a `CLIPVisionModelWithProjection` checkpoint
+    (the projection, which Wan does not use, is left out)."""
+    from transformers import CLIPImageProcessor, CLIPVisionModel
+
+    fetch_config(model_id, subfolder, revision=revision, required=True)
+    try:
+        image_encoder = CLIPVisionModel.from_pretrained(
+            model_id, subfolder=subfolder, revision=revision, dtype=torch_dtype, use_safetensors=True
+        )
+    except (OSError, ValueError) as err:
+        raise explain_load_error(model_id, f"image encoder (subfolder '{subfolder}')", err, revision=revision) from None
+    try:
+        processor = CLIPImageProcessor.from_pretrained(model_id, subfolder=processor_subfolder, revision=revision)
+    except (OSError, ValueError) as err:
+        raise explain_load_error(
+            model_id, f"image processor (subfolder '{processor_subfolder}')", err, revision=revision
+        ) from None
+    return processor, image_encoder

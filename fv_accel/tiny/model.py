@@ -1,16 +1,24 @@
-"""A tiny Wan model in the Hub layout, seeded, for offline smoke tests of every loading path.
+"""Seeded tiny models of every supported Wan variant, in the Hub layout, for offline tests.
 
-    python -m fv_accel.tiny_model DIR [--seed 0] [--class wan|skyreels_v2]
+    python -m fv_accel.tiny_model DIR [--model NAME] [--seed 0]
+    python -m fv_accel.tiny_model --list
 
-writes `model_index.json`, `transformer/`, `vae/`, `text_encoder/`, `tokenizer/` and `scheduler/`
-as `WanPipeline.from_pretrained(DIR)` expects. The transformer's architecture is the inline
-`models.student.transformer_config` of the built-in tiny recipe (the one source of those numbers).
+Each variant mirrors the layout of a real diffusers repo at toy sizes: the same `model_index.json`
+keys and component classes, the same transformer channel counts and conditioning (image
+cross-attention, two experts and their `boundary_ratio`, `expand_timesteps`), the same VAE
+geometry (the Wan 2.2 VAE: 48 latent channels, 16x spatial). The stock pipeline of the repo loads
+the folder with `DiffusionPipeline.from_pretrained(DIR)`. The transformer's width and depth are
+those of the inline `models.student.transformer_config` of the built-in tiny recipe (the one
+source of those numbers); each VAE's `latents_mean`/`latents_std` are measured on procedural clips.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +33,7 @@ TINY_VOCAB_WORDS = (
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
 
 TINY_TEXT_DIM = 32
+# The Wan 2.1 VAE (Wan 2.1 models, Wan 2.2 A14B, SkyReels-V2): 16 latent channels, 8x spatial.
 TINY_VAE_CONFIG = dict(
     base_dim=8,
     z_dim=16,
@@ -32,6 +41,134 @@ TINY_VAE_CONFIG = dict(
     num_res_blocks=1,
     temperal_downsample=[False, True, True],
 )
+# The Wan 2.2 VAE (Wan2.2-TI2V-5B): pixels are patchified 2x2 (12 input channels), residual
+# blocks, 48 latent channels, 16x spatial; the decoder is wider than the encoder, as in the real one.
+TINY_VAE22_CONFIG = dict(
+    base_dim=8,
+    decoder_base_dim=12,
+    z_dim=48,
+    in_channels=12,
+    out_channels=12,
+    is_residual=True,
+    patch_size=2,
+    dim_mult=[1, 1, 1, 1],
+    num_res_blocks=1,
+    temperal_downsample=[False, True, True],
+    scale_factor_spatial=16,
+    scale_factor_temporal=4,
+)
+# Wan 2.1 I2V's image encoder is a CLIP ViT-H/14 vision tower (224 px, 257 tokens of 1280); this
+# one sees 32 px in 8 px patches: 17 tokens of 16.
+TINY_CLIP_VISION_CONFIG = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    projection_dim=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+)
+
+
+@dataclass(frozen=True)
+class TinyVariant:
+    """What one tiny model mirrors of its real repo."""
+
+    name: str
+    layout: str  # the real repo whose layout it mirrors
+    summary: str  # one line for `--list`
+    pipeline: str  # model_index.json `_class_name`
+    transformer_class: str = "WanTransformer3DModel"
+    vae: str = "wan2.1"  # "wan2.1" (16 channels, 8x) or "wan2.2" (48 channels, 16x)
+    in_channels: int = 16
+    out_channels: int = 16
+    image_encoder: bool = False  # CLIP vision tower + image cross-attention (Wan 2.1 I2V)
+    two_transformers: bool = False  # `transformer` (high noise) + `transformer_2` (low noise)
+    boundary_ratio: Optional[float] = None
+    expand_timesteps: bool = False
+    # The real repos' UniPC flow scheduler, or "euler" (FlowMatchEulerDiscreteScheduler, the one the
+    # project's own sampler uses) for the tiny wan21_t2v. WanPipeline runs with either; SkyReels-V2's
+    # diffusion-forcing pipeline needs UniPC.
+    scheduler: str = "unipc"
+    flow_shift: float = 3.0
+
+    def transformer_config(self) -> dict:
+        config = tiny_transformer_config()
+        config.update(in_channels=self.in_channels, out_channels=self.out_channels)
+        if self.image_encoder:
+            # As in Wan2.1-I2V-14B: image_dim is the CLIP width, added_kv_proj_dim the transformer's.
+            config.update(
+                image_dim=TINY_CLIP_VISION_CONFIG["hidden_size"],
+                added_kv_proj_dim=config["num_attention_heads"] * config["attention_head_dim"],
+            )
+        return config
+
+
+TINY_MODELS: dict[str, TinyVariant] = {
+    v.name: v
+    for v in (
+        TinyVariant(
+            "wan21_t2v",
+            "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+            "WanPipeline, one 16-channel transformer (the default)",
+            "WanPipeline",
+            scheduler="euler",
+        ),
+        TinyVariant(
+            "wan21_i2v",
+            "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+            "WanImageToVideoPipeline, 36-channel transformer with image cross-attention, CLIP vision image encoder",
+            "WanImageToVideoPipeline",
+            in_channels=36,
+            image_encoder=True,
+        ),
+        TinyVariant(
+            "wan22_ti2v",
+            "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+            "WanPipeline with expand_timesteps, Wan 2.2 VAE (48 channels, 16x spatial), 48-channel transformer",
+            "WanPipeline",
+            vae="wan2.2",
+            in_channels=48,
+            out_channels=48,
+            expand_timesteps=True,
+            flow_shift=5.0,
+        ),
+        TinyVariant(
+            "wan22_t2v_a14b",
+            "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+            "WanPipeline, transformer + transformer_2 (16 channels), boundary_ratio 0.875",
+            "WanPipeline",
+            two_transformers=True,
+            boundary_ratio=0.875,
+        ),
+        TinyVariant(
+            "wan22_i2v_a14b",
+            "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+            "WanImageToVideoPipeline, two 36-channel transformers, boundary_ratio 0.9, no image encoder",
+            "WanImageToVideoPipeline",
+            in_channels=36,
+            two_transformers=True,
+            boundary_ratio=0.9,
+        ),
+        TinyVariant(
+            "skyreels_v2",
+            "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers",
+            "SkyReelsV2DiffusionForcingPipeline, one 16-channel SkyReels-V2 transformer",
+            "SkyReelsV2DiffusionForcingPipeline",
+            transformer_class="SkyReelsV2Transformer3DModel",
+            flow_shift=8.0,
+        ),
+    )
+}
+DEFAULT_TINY_MODEL = "wan21_t2v"
+# `--class` / `write_tiny_model(model_class=...)`: the names before there were variants.
+MODEL_CLASS_ALIASES = {"wan": "wan21_t2v", "skyreels_v2": "skyreels_v2"}
+
+
+def tiny_variant(name: str) -> TinyVariant:
+    if name not in TINY_MODELS:
+        raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(TINY_MODELS)}")
+    return TINY_MODELS[name]
 
 
 def tiny_transformer_config() -> dict:
@@ -75,49 +212,105 @@ def build_tiny_text_encoder(vocab_size: int, seed: int):
     return UMT5EncoderModel(config).eval()
 
 
-def build_tiny_vae(seed: int):
+def build_tiny_vae(seed: int, kind: str = "wan2.1"):
     from diffusers import AutoencoderKLWan
 
+    config = {"wan2.1": TINY_VAE_CONFIG, "wan2.2": TINY_VAE22_CONFIG}[kind]
     torch.manual_seed(seed)
-    return AutoencoderKLWan(**TINY_VAE_CONFIG).eval()
+    return AutoencoderKLWan(**config).eval()
+
+
+def build_tiny_image_encoder(seed: int):
+    """(CLIPVisionModel, CLIPImageProcessor) as Wan 2.1 I2V's `image_encoder` / `image_processor`."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    encoder = CLIPVisionModel(CLIPVisionConfig(**TINY_CLIP_VISION_CONFIG)).eval()
+    side = TINY_CLIP_VISION_CONFIG["image_size"]
+    processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    return encoder, processor
+
+
+def build_scheduler(variant: TinyVariant):
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    if variant.scheduler == "euler":
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=variant.flow_shift)
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=variant.flow_shift
+    )
+
+
+def write_tiny_variant(out_dir: str | Path, name: str = DEFAULT_TINY_MODEL, seed: int = 0, latents_stats: Optional[tuple] = None) -> Path:
+    """Write the tiny model `name` (a key of TINY_MODELS) to `out_dir`; returns its path.
+
+    Deterministic for a given seed: the tokenizer, then the text encoder (seed + 1), the VAE
+    (seed + 2), the transformer (seed + 3), `transformer_2` (seed + 4) and the image encoder
+    (seed + 5), each drawn from its own seed. The folder is written by the stock pipeline's
+    `save_pretrained`, so `model_index.json` holds exactly the keys that pipeline reads.
+    """
+    import diffusers
+
+    variant = tiny_variant(name)
+    out = Path(out_dir)
+    tokenizer = build_tiny_tokenizer()
+    text_encoder = build_tiny_text_encoder(len(tokenizer), seed + 1)
+    vae = build_tiny_vae(seed + 2, variant.vae)
+    if latents_stats is None:
+        latents_stats = _tiny_vae_latent_stats(variant.vae, seed + 2)
+    vae.register_to_config(latents_mean=latents_stats[0], latents_std=latents_stats[1])
+    transformer_cls = getattr(diffusers, variant.transformer_class)
+    torch.manual_seed(seed + 3)
+    transformer = transformer_cls(**variant.transformer_config())
+    components = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=build_scheduler(variant))
+    if variant.pipeline in ("WanPipeline", "WanImageToVideoPipeline"):
+        transformer_2 = None
+        if variant.two_transformers:
+            torch.manual_seed(seed + 4)
+            transformer_2 = transformer_cls(**variant.transformer_config())
+        components.update(
+            transformer_2=transformer_2, boundary_ratio=variant.boundary_ratio, expand_timesteps=variant.expand_timesteps
+        )
+    if variant.pipeline == "WanImageToVideoPipeline":
+        image_encoder, image_processor = build_tiny_image_encoder(seed + 5) if variant.image_encoder else (None, None)
+        components.update(image_encoder=image_encoder, image_processor=image_processor)
+    pipeline = getattr(diffusers, variant.pipeline)(**components)
+    # Written beside `out` first and moved in with model_index.json last: a folder holding
+    # model_index.json is complete (the tiny dataset's cache relies on it).
+    partial = out.parent / f".{out.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    pipeline.save_pretrained(partial, safe_serialization=True)
+    # transformers 5 records the classes it built, "TokenizersBackend" and (without torchvision)
+    # "CLIPImageProcessorPil"; the public names below load the same classes under any version.
+    index_path = partial / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["tokenizer"] = ["transformers", "PreTrainedTokenizerFast"]
+    if index.get("image_processor", [None])[0] is not None:
+        index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model_index.json").unlink(missing_ok=True)
+    for child in sorted(partial.iterdir(), key=lambda p: p.name == "model_index.json"):
+        target = out / child.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        child.replace(target)
+    partial.rmdir()
+    return out
 
 
 def write_tiny_model(out_dir: str | Path, seed: int = 0, model_class: str = "wan", latents_stats: Optional[tuple] = None) -> Path:
-    """Write the tiny model folder; returns its path. Deterministic for a given seed."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SkyReelsV2Transformer3DModel, WanTransformer3DModel
+    """The tiny Wan2.1-T2V model (`model_class="wan"`) or SkyReels-V2 model (`"skyreels_v2"`)."""
+    if model_class not in MODEL_CLASS_ALIASES:
+        raise ValueError(f"model_class: expected one of {', '.join(MODEL_CLASS_ALIASES)}, got {model_class!r}")
+    return write_tiny_variant(out_dir, MODEL_CLASS_ALIASES[model_class], seed=seed, latents_stats=latents_stats)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer()
-    text_encoder = build_tiny_text_encoder(len(tokenizer), seed + 1)
-    vae = build_tiny_vae(seed + 2)
-    if latents_stats is None:
-        latents_stats = measure_latent_stats(vae)
-    vae.register_to_config(latents_mean=latents_stats[0], latents_std=latents_stats[1])
-    torch.manual_seed(seed + 3)
-    cls = {"wan": WanTransformer3DModel, "skyreels_v2": SkyReelsV2Transformer3DModel}[model_class]
-    transformer = cls(**tiny_transformer_config())
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
 
-    transformer.save_pretrained(out / "transformer", safe_serialization=True)
-    vae.save_pretrained(out / "vae", safe_serialization=True)
-    text_encoder.save_pretrained(out / "text_encoder", safe_serialization=True)
-    tokenizer.save_pretrained(out / "tokenizer")
-    scheduler.save_pretrained(out / "scheduler")
-    pipeline = "SkyReelsV2DiffusionForcingPipeline" if model_class == "skyreels_v2" else "WanPipeline"
-    index = {
-        "_class_name": pipeline,
-        "_diffusers_version": __import__("diffusers").__version__,
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "UMT5EncoderModel"],
-        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "transformer": ["diffusers", cls.__name__],
-        "vae": ["diffusers", "AutoencoderKLWan"],
-    }
-    if model_class == "wan":
-        index["transformer_2"] = [None, None]
-    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return out
+@functools.lru_cache(maxsize=None)
+def _tiny_vae_latent_stats(kind: str, seed: int) -> tuple[list[float], list[float]]:
+    """measure_latent_stats of the tiny VAE `kind` drawn from `seed` (most variants share one VAE:
+    measured once per process)."""
+    return measure_latent_stats(build_tiny_vae(seed, kind))
 
 
 @torch.no_grad()
@@ -134,14 +327,30 @@ def measure_latent_stats(vae) -> tuple[list[float], list[float]]:
     return [round(float(v), 6) for v in mean], [round(float(v), 6) for v in std]
 
 
+def list_lines() -> list[str]:
+    width = max(len(n) for n in TINY_MODELS)
+    return [f"{v.name:<{width}}  {v.layout.split('/')[-1].removesuffix('-Diffusers')} layout: {v.summary}" for v in TINY_MODELS.values()]
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir")
+    parser = argparse.ArgumentParser(prog="python -m fv_accel.tiny_model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", nargs="?", help="folder to write the model to")
+    parser.add_argument("--model", choices=list(TINY_MODELS), default=None, help=f"which variant (default {DEFAULT_TINY_MODEL}; --list)")
+    parser.add_argument("--class", dest="model_class", choices=list(MODEL_CLASS_ALIASES), default=None,
+                        help="older spelling: wan = --model wan21_t2v, skyreels_v2 = --model skyreels_v2")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--class", dest="model_class", choices=["wan", "skyreels_v2"], default="wan")
+    parser.add_argument("--list", action="store_true", help="print the variants, one a line, and exit")
     args = parser.parse_args(argv)
-    path = write_tiny_model(args.out_dir, seed=args.seed, model_class=args.model_class)
-    print(f"wrote the tiny {args.model_class} model to {path}")
+    if args.list:
+        print("\n".join(list_lines()))
+        return
+    if args.out_dir is None:
+        parser.error("the folder to write (DIR) is required unless --list is given")
+    name = args.model or MODEL_CLASS_ALIASES.get(args.model_class or "", DEFAULT_TINY_MODEL)
+    if args.model and args.model_class and MODEL_CLASS_ALIASES[args.model_class] != args.model:
+        parser.error(f"--class {args.model_class} and --model {args.model} name different models; give one")
+    path = write_tiny_variant(args.out_dir, name, seed=args.seed)
+    print(f"wrote the tiny {name} model ({TINY_MODELS[name].layout} layout) to {path}")
 
 
 if __name__ == "__main__":
