@@ -183,7 +183,7 @@ def test_an_expert_trains_only_its_side_of_the_boundary(variant_dirs):
 
 def test_a_two_expert_repo_needs_an_expert_and_a_one_transformer_repo_refuses_one(variant_dirs):
     model, _ = variant_dirs["wan22_t2v_a14b"]
-    with pytest.raises(ValueError, match="set models.student.expert to high_noise or low_noise"):
+    with pytest.raises(ValueError, match="set models.student.expert to high_noise, low_noise or both"):
         student_and_method(model, "finetune", "x")
     ti2v, _ = variant_dirs["wan22_ti2v"]
     with pytest.raises(ValueError, match="has one transformer"):
@@ -238,5 +238,6 @@ def test_both_experts_lora_run_writes_one_file_per_expert_that_diffusers_loads(t
         load_into_transformer_2=True,
     )
     pipe.fuse_lora(components=["transformer", "transformer_2"], lora_scale=1.0)
+    pipe.unload_lora_weights()
     for module, old in zip((pipe.transformer, pipe.transformer_2), before):
         assert any(not torch.equal(v, module.state_dict()[k]) for k, v in old.items() if "to_q.weight" in k)
