@@ -169,8 +169,14 @@ class InMemoryLatentDataset:
 
 
 def prepare_dataset(work_dir: Path, size: BenchSize, rows: int) -> tuple[str, str]:
-    """(data path, how it is read): Parquet through our loader, or in memory without `datasets`."""
+    """(data path, how it is read): Parquet through our loader, or in memory without `datasets`.
+    Its fv_dataset.json records latent statistics 0 and 1: the random latents are drawn normalised."""
+    from fv_accel.data.schema import write_dataset_info
+
     folder = Path(work_dir) / "data" / f"{size.name}_{'x'.join(map(str, size.latent_shape))}_{rows}"
+    channels = int(size.latent_shape[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    write_dataset_info(folder, model=None, vae_config={"latents_mean": [0.0] * channels, "latents_std": [1.0] * channels})
     if datasets_available():
         path = write_latent_dataset(folder, size, rows)
         # Open it once here: `datasets` converts Parquet to its Arrow cache on first use, and that

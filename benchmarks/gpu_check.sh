@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from fv_accel.config import load_config
 from fv_accel.data.loader import TEXT_MAX_LENGTH
-from fv_accel.data.schema import make_row, write_rows
+from fv_accel.data.schema import make_row, write_dataset_info, write_rows
 
 folder, recipe = Path(sys.argv[1]), sys.argv[2]
 cfg = load_config(recipe)
@@ -73,6 +73,8 @@ if not (folder / "data-00000.parquet").is_file():
         for i in range(cfg.training.loop.max_train_steps)  # one epoch = one run at batch 1
     ]
     write_rows(rows, folder / "data-00000.parquet")
+    # Random latents are drawn normalised: statistics 0 and 1.
+    write_dataset_info(folder, model=None, vae_config={"latents_mean": [0.0] * shape[0], "latents_std": [1.0] * shape[0]})
 print(f"{cfg.training.loop.max_train_steps} clips, latent {shape}")
 EOF
 

@@ -148,7 +148,12 @@ def run_worker(spec: dict, result_file: Path) -> None:
     data_path = spec["data_path"]
     if spec.get("in_memory_data"):
         C.prepare_dataset(Path(spec["work_dir"]), size, spec["rows"])  # installs the in-memory stand-in
-    extra: dict[str, Any] = {"training.data.train_batch_size": spec["batch"]}
+    # The recipe's num_latent_t / num_frames would leave out rows of another length (they filter the data).
+    extra: dict[str, Any] = {
+        "training.data.train_batch_size": spec["batch"],
+        "training.data.num_latent_t": spec["T"],
+        "training.data.num_frames": None,
+    }
     if spec["ckpt"]:
         extra["training.model.enable_gradient_checkpointing_type"] = "full"
     if spec["lora"]:

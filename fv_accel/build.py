@@ -219,42 +219,75 @@ def resolve_data_path(cfg: RunConfig, accelerator) -> str:
 
 
 def _latent_stats_from_dataset(cfg: RunConfig, data_path: str) -> None:
-    """A student with neither recipe stats nor a repo to read them from uses the statistics of the
-    VAE that encoded the dataset (recorded by preprocessing in fv_dataset.json)."""
+    """Latents are normalised with the recipe's statistics, else those of the student's own VAE
+    (`<init_from>/vae/config.json`, read by the student), else those recorded by preprocessing in
+    the dataset's fv_dataset.json (when they have one value per latent channel of the student).
+    `check_latent_stats` refuses a student left without any."""
     from fv_accel.data.schema import read_dataset_info
+    from fv_accel.models.loading import load_component_config
 
     st = cfg.models.student
-    if st.latents_mean is not None or st.init_from is not None:
+    if st.latents_mean is not None:
         return
+    channels = (st.transformer_config or {}).get("in_channels")
+    if st.init_from is not None:
+        vae = load_component_config(st, "vae")
+        if vae is not None and vae.get("latents_mean") is not None and vae.get("latents_std") is not None:
+            return
+        channels = (load_component_config(st, st.subfolder or None) or {}).get("in_channels")
     info = read_dataset_info(data_path)
-    if info.get("latents_mean") and info.get("latents_std"):
-        st.latents_mean, st.latents_std = list(info["latents_mean"]), list(info["latents_std"])
+    mean, std = info.get("latents_mean"), info.get("latents_std")
+    if mean and std and (channels is None or len(mean) == len(std) == int(channels)):
+        st.latents_mean, st.latents_std = list(mean), list(std)
 
 
-def _latent_shapes(dataset: Any) -> list[tuple[str, int, tuple[int, ...]]]:
-    """(data path, row, latent shape [C, T, H, W]) of every row, across mixed datasets."""
-    parts = getattr(dataset, "parts", None) or [dataset]
-    return [(p.data_path, i, shape) for p in parts for i, shape in enumerate(p.latent_shapes)]
+def check_latent_stats(student: Any, cfg: RunConfig, data_path: str) -> None:
+    """Never train on latents that are not normalised without saying so: a student without latent
+    statistics is an error naming the keys that give them."""
+    from fv_accel.data.schema import DATASET_INFO, read_dataset_info
+
+    if getattr(student, "latents_mean", False) is not None:
+        return
+    st = cfg.models.student
+    model = f"models.student.init_from '{st.init_from}' has no vae/config.json with latents_mean, " if st.init_from else ""
+    recorded = read_dataset_info(data_path).get("latents_mean")
+    if recorded:
+        data = (
+            f"the {DATASET_INFO} of training.data.data_path '{data_path}' records {len(recorded)} values, not one per "
+            f"latent channel of the student ({getattr(student, 'in_channels', '?')}),"
+        )
+    else:
+        data = f"training.data.data_path '{data_path}' has no {DATASET_INFO} recording them (preprocessing writes it),"
+    raise ConfigError(
+        f"no latent statistics to normalise the latents with: {model}{data} and models.student.latents_mean / "
+        "latents_std are not set; set those two keys to the per-channel mean and std of the VAE that encoded "
+        "the data (all 0.0 and 1.0 if the latents are stored normalised)"
+    )
 
 
 def check_data_fits_model(dataset: Any, student: Any, method: Any) -> None:
-    """Latent channels must match the transformer, and a DFSFT chunk must fit in the clip: caught
-    here rather than at the first step, after outputs have been started."""
-    expected = getattr(student, "in_channels", None)
-    chunk = method.math_signature().get("method.chunk_size")
-    for path, row, shape in _latent_shapes(dataset):
-        if len(shape) != 4:
-            raise ConfigError(f"{path} row {row}: vae_latent_shape {list(shape)}; expected [C, T, H, W]")
-        if expected is not None and shape[0] != expected:
-            raise ConfigError(
-                f"{path} row {row}: latents have {shape[0]} channels (shape {list(shape)}) but the student "
-                f"transformer expects {expected} (in_channels); encode the data with the model's own VAE"
-            )
-        if chunk is not None and chunk > shape[1]:
-            raise ConfigError(
-                f"method.chunk_size ({chunk}) is larger than the latent frame count ({shape[1]}) of "
-                f"{path} row {row} (shape {list(shape)}); use a chunk size <= {shape[1]} or longer clips"
-            )
+    """Latents and text embeddings the transformer cannot take (channels, text width, sizes its
+    patch does not divide, a DFSFT chunk longer than the clip): caught here, before outputs are
+    started, rather than at the first step (fv_accel/data/checks.py)."""
+    from fv_accel.data.checks import check_fits_model
+
+    config = getattr(getattr(student, "transformer", None), "config", None)
+    text_dim = getattr(config, "text_dim", None) if config is not None else None
+    check_fits_model(
+        dataset,
+        in_channels=getattr(student, "in_channels", None),
+        text_dim=None if text_dim is None else int(text_dim),
+        patch_size=getattr(student, "patch_size", None),
+        chunk_size=method.math_signature().get("method.chunk_size"),
+    )
+
+
+def tracker_init_kwargs(cfg: RunConfig) -> dict:
+    """`training.tracker.run_name` for each tracker: W&B's run name; TensorBoard's event-file suffix."""
+    import re
+
+    name = cfg.training.tracker.run_name
+    return {"wandb": {"name": name}, "tensorboard": {"filename_suffix": "." + re.sub(r"[^\w.-]+", "_", name)}}
 
 
 def build_callbacks(cfg: RunConfig, data_path: str, accelerator: Any = None) -> list:
@@ -303,6 +336,9 @@ def build_from_config(
     acc = accelerator or build_accelerator(cfg)
     logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     data_path = resolve_data_path(cfg, acc)
+    from fv_accel.user_data import follow_user_data
+
+    follow_user_data(cfg, data_path, log=acc.is_main_process)
     _latent_stats_from_dataset(cfg, data_path)
     # Identical initial weights on every rank for inline (random-init) students. Seeded here, after
     # the data: building the tiny dataset on a first run reseeds the global RNG.
@@ -319,6 +355,7 @@ def build_from_config(
         cfg, world_size=acc.num_processes, rank=acc.process_index, data_path=data_path, exclude_indices=heldout_rows
     )
     check_data_fits_model(loader.dataset, student, method)
+    check_latent_stats(student, cfg, data_path)
     if resume_meta is not None:
         check_resume_compatible(resume_meta, method, cfg, resume)
     if acc.is_main_process:
@@ -338,7 +375,7 @@ def build_from_config(
     student.transformer, method.optimizer, method.lr_scheduler = acc.prepare(
         student.transformer, method.optimizer, method.lr_scheduler
     )
-    acc.init_trackers(cfg.training.tracker.project_name, config=_flat_hparams(cfg))
+    acc.init_trackers(cfg.training.tracker.project_name, config=_flat_hparams(cfg), init_kwargs=tracker_init_kwargs(cfg))
     if heldout_rows and acc.is_main_process:
         logger.info("%d training row(s) held out for validation (callbacks.validation.heldout_fraction)", len(heldout_rows))
     # Built-in callbacks first: checkpoints key callback state by position.

@@ -402,8 +402,33 @@ def validate(cfg: RunConfig, source: str) -> None:
     for i, entry in enumerate(data.mix):
         if set(entry) - {"data_path", "weight"} or "data_path" not in entry:
             raise bad(f"training.data.mix[{i}]", entry, "a mapping with data_path and optional weight")
-        if float(entry.get("weight", 1.0)) <= 0:
+        if not isinstance(entry["data_path"], str) or not entry["data_path"]:
+            raise bad(f"training.data.mix[{i}].data_path", entry["data_path"], "a Parquet folder or file")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, str):  # YAML reads "1e-1" (no dot) as a string
+            try:
+                weight = float(weight)
+            except ValueError:
+                pass
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or weight == float("inf"):
             raise bad(f"training.data.mix[{i}].weight", entry.get("weight"), "a number > 0")
+        entry["weight"] = float(weight)
+    for key in ("num_latent_t", "num_frames"):
+        if getattr(data, key) is not None and getattr(data, key) < 1:
+            raise bad(f"training.data.{key}", getattr(data, key), "an integer >= 1 (or null)")
+    for key in ("num_height", "num_width"):
+        side = getattr(data, key)
+        if side is not None and (side <= 0 or side % 8):
+            raise bad(f"training.data.{key}", side, "a positive multiple of 8 pixels (or null)")
+    if data.num_frames is not None and data.num_latent_t is not None:
+        latent_t = (data.num_frames - 1) // 4 + 1
+        if latent_t != data.num_latent_t:
+            raise bad(
+                "training.data.num_latent_t",
+                data.num_latent_t,
+                f"{latent_t} for training.data.num_frames {data.num_frames} (the VAE makes (frames - 1) / 4 + 1 "
+                "latent frames), or null",
+            )
     ck = cfg.training.checkpoint
     if ck.training_state_checkpointing_steps < 0:
         raise bad(
@@ -426,6 +451,13 @@ def validate(cfg: RunConfig, source: str) -> None:
     st = cfg.models.student
     if st.flow_shift <= 0:
         raise bad("models.student.flow_shift", st.flow_shift, "a number > 0")
+    if st.trust_remote_code:
+        raise bad(
+            "models.student.trust_remote_code",
+            st.trust_remote_code,
+            "false: fv_accel never runs a model repository's own code (it loads diffusers' classes from "
+            "safetensors weights)",
+        )
     if st.init_from is None and st.transformer_config is None:
         raise bad("models.student.init_from", None, "a Hub id or folder, or models.student.transformer_config")
     if st.local_attn_size != -1 and st.local_attn_size < 1:
@@ -536,12 +568,40 @@ def default_recipe(method: str) -> Path:
     return CONFIG_DIR / f"tiny_{method}.yaml"
 
 
-def _parse_override_value(text: str) -> Any:
-    # YAML scalars: numbers, booleans, null, lists ("[1, 2]"); anything else stays a string.
+def _parse_override_value(text: str, dotted: str = "") -> Any:
+    # YAML scalars: numbers, booleans, null, lists ("[1, 2]"); anything else stays a string. A key
+    # that takes a string keeps the text as typed (`--output_dir 2024`, `--training.loop.mixed_precision no`).
+    takes_text, optional = _takes_text(dotted)
+    if takes_text:
+        return None if optional and text.strip() in ("null", "Null", "NULL", "~", "") else text
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+
+
+def _takes_text(dotted: str) -> tuple[bool, bool]:
+    """(whether the recipe key `dotted` is a string or a choice of strings, whether it may be null)."""
+    tp: Any = RunConfig
+    for part in dotted.split(".") if dotted else ():
+        if not dataclasses.is_dataclass(tp):
+            return False, False
+        hints = typing.get_type_hints(tp)
+        if part not in hints:
+            return False, False
+        tp = hints[part]
+    if dataclasses.is_dataclass(tp) or tp is RunConfig:
+        return False, False
+    args = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+    optional = type(None) in args
+    scalars = [a for a in args if a is not type(None)]
+
+    def is_text(a: Any) -> bool:
+        if a is str:
+            return True
+        return typing.get_origin(a) is Literal and all(isinstance(v, str) for v in typing.get_args(a))
+
+    return bool(scalars) and all(is_text(a) for a in scalars), optional
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
@@ -572,7 +632,7 @@ def load_config(
         data = _read_yaml(path)
     for dotted, value in (overrides or {}).items():
         if isinstance(value, str):
-            value = _parse_override_value(value)
+            value = _parse_override_value(value, dotted)
         _set_dotted(data, dotted, value)
     if overrides:
         source = f"{source} (with overrides {', '.join(overrides)})"

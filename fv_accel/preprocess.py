@@ -34,7 +34,16 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from fv_accel.data.schema import DATASET_INFO, make_row, tensor_columns, write_dataset_info, write_rows
+from fv_accel.data.schema import (
+    DATASET_INFO,
+    PENDING_COMMAND,
+    PENDING_DIR,
+    SHARD_RE,
+    make_row,
+    tensor_columns,
+    write_dataset_info,
+    write_rows,
+)
 from fv_accel.data.video import (
     MEDIA_EXTENSIONS,
     ClipError,
@@ -47,15 +56,13 @@ from fv_accel.data.video import (
 
 logger = logging.getLogger(__name__)
 
-PENDING_DIR = ".fv_pending"
 SKIPPED_FILE = "skipped.jsonl"
-SHARD_RE = re.compile(r"^data-(\d{5})-of-(\d{5})\.parquet$")
 VIDEO_COLUMNS = ("video", "file_name", "video_path", "path", "image")
 CAPTION_COLUMNS = ("caption", "prompt", "text")
 # Files that may sit beside clips without being clips (not reported as unsupported).
 SIDE_FILE_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".csv", ".yaml", ".yml")
 METADATA_NAMES = ("metadata.csv", "metadata.jsonl")
-SETTINGS_VERSION = 1
+SETTINGS_VERSION = 2  # raised whenever the same settings would decode a clip differently
 
 
 class InputError(ValueError):
@@ -112,7 +119,25 @@ def _visible_files(root: Path) -> list[Path]:
     )
 
 
-def list_folder(root: Path) -> list[ClipSource]:
+def read_caption_file(path: Path, encoding: str = "utf-8") -> tuple[Optional[str], Optional[tuple[str, str]]]:
+    """(caption, None), or (None, (reason, detail)) for a caption file not in `encoding`: never a
+    caption with replacement characters in it."""
+    import codecs
+
+    raw = path.read_bytes()
+    utf8 = codecs.lookup(encoding).name == "utf-8"
+    try:
+        return raw.decode("utf-8-sig" if utf8 else encoding).strip(), None
+    except UnicodeDecodeError as err:
+        bad = raw[err.start : err.end].hex(" ")
+        return None, (
+            "caption_not_utf8" if utf8 else "caption_not_decodable",
+            f"{path.name} is not valid {encoding} (byte {bad} at offset {err.start}); pass --caption_encoding "
+            f"with the file's encoding (e.g. latin-1), or save it as UTF-8",
+        )
+
+
+def list_folder(root: Path, caption_encoding: str = "utf-8") -> list[ClipSource]:
     files = _visible_files(root)
     clips: list[ClipSource] = []
     unsupported = []
@@ -126,8 +151,8 @@ def list_folder(root: Path) -> list[ClipSource]:
             clips.append(ClipSource(len(clips), rel, path=f, problem=_extension_problem(rel)))
             continue
         caption_file = f.with_suffix(".txt")
-        caption = caption_file.read_text(encoding="utf-8", errors="replace").strip() if caption_file.is_file() else None
-        problem = _caption_problem(caption)
+        caption, problem = read_caption_file(caption_file, caption_encoding) if caption_file.is_file() else (None, None)
+        problem = problem or _caption_problem(caption)
         if problem and problem[0] == "missing_caption":
             problem = ("missing_caption", f"no caption file {caption_file.name} beside the clip")
         clips.append(ClipSource(len(clips), rel, path=f, caption=caption, problem=problem))
@@ -151,32 +176,44 @@ def _pick_column(columns: Sequence[str], wanted: Optional[str], candidates: Sequ
     )
 
 
-def _read_metadata(path: Path) -> tuple[list[str], list[dict]]:
+def _read_metadata(path: Path, encoding: str = "utf-8") -> tuple[list[str], list[dict]]:
+    import codecs
+    import io
+
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig" if codecs.lookup(encoding).name == "utf-8" else encoding)
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise InputError(
+            f"{path} line {line}: not valid {encoding} (byte {raw[err.start:err.end].hex(' ')}); pass "
+            "--caption_encoding with the file's encoding (e.g. latin-1), or save it as UTF-8"
+        ) from None
     if path.suffix.lower() == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-            return list(reader.fieldnames or []), rows
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        rows = list(reader)
+        return list(reader.fieldnames or []), rows
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{path} line {n}: not valid JSON ({err.msg}); expected one JSON object per line") from None
-            if not isinstance(row, dict):
-                raise InputError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    for n, line in enumerate(io.StringIO(text), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{path} line {n}: not valid JSON ({err.msg}); expected one JSON object per line") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k not in columns]
     return columns, rows
 
 
-def list_metadata(path: Path, video_column: Optional[str], caption_column: Optional[str]) -> list[ClipSource]:
-    columns, rows = _read_metadata(path)
+def list_metadata(
+    path: Path, video_column: Optional[str], caption_column: Optional[str], caption_encoding: str = "utf-8"
+) -> list[ClipSource]:
+    columns, rows = _read_metadata(path, caption_encoding)
     vcol = _pick_column(columns, video_column, VIDEO_COLUMNS, "video", str(path))
     ccol = _pick_column(columns, caption_column, CAPTION_COLUMNS, "caption", str(path))
     if not rows:
@@ -262,18 +299,23 @@ def list_hf_dataset(spec: str, video_column: Optional[str], caption_column: Opti
 
 
 def list_inputs(
-    spec: str, *, video_column: Optional[str] = None, caption_column: Optional[str] = None, split: str = "train"
+    spec: str,
+    *,
+    video_column: Optional[str] = None,
+    caption_column: Optional[str] = None,
+    split: str = "train",
+    caption_encoding: str = "utf-8",
 ) -> tuple[list[ClipSource], str]:
     """The clips of an input, in a fixed order, and which form the input was read as."""
     p = Path(spec)
     if p.is_file():
         if p.suffix.lower() in (".csv", ".jsonl", ".json"):
-            return list_metadata(p, video_column, caption_column), "metadata file"
+            return list_metadata(p, video_column, caption_column, caption_encoding), "metadata file"
         raise InputError(f"{p}: a file with extension '{p.suffix}' cannot be an input; {EXPECTED_INPUT}")
     if p.is_dir():
         for name in METADATA_NAMES:
             if (p / name).is_file():
-                return list_metadata(p / name, video_column, caption_column), f"metadata file {name}"
+                return list_metadata(p / name, video_column, caption_column, caption_encoding), f"metadata file {name}"
         if (p / "state.json").is_file() or (p / "dataset_dict.json").is_file():
             return list_hf_dataset(spec, video_column, caption_column, split), "Hugging Face dataset (save_to_disk)"
         files = _visible_files(p)
@@ -281,7 +323,7 @@ def list_inputs(
             f.suffix.lower() in (".parquet", ".arrow") for f in files
         ):
             return list_hf_dataset(spec, video_column, caption_column, split), "Hugging Face dataset (data files)"
-        return list_folder(p), "folder of clips"
+        return list_folder(p, caption_encoding), "folder of clips"
     if re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
         return list_hf_dataset(spec, video_column, caption_column, split), "Hugging Face dataset (Hub id)"
     raise InputError(f"'{spec}' does not exist; {EXPECTED_INPUT}")
@@ -413,12 +455,16 @@ def preprocess(
     barrier: Optional[Callable[[], None]] = None,
     on_clip_done: Optional[Callable[[ClipSource, str], None]] = None,
     encoder: Any = None,
+    caption_encoding: str = "utf-8",
+    command: Optional[str] = None,
 ) -> PreprocessResult:
     """Encode the clips of `input` into `output` (this process's share of them when world_size > 1).
 
     Every process must call it with the same arguments; `barrier` synchronises them before the
     main process (rank 0) writes skipped.jsonl and fv_dataset.json. `on_clip_done(clip, status)`
-    is called after each clip ("encoded", "reused" or "skipped").
+    is called after each clip ("encoded", "reused" or "skipped"). `caption_encoding`: of caption
+    files and metadata files. `command`: the command line, kept with the pending rows until the
+    end so that training on the unfinished folder can say how to finish it.
     """
     from fv_accel.models.encoders import TEXT_MAX_LENGTH, describe_model
 
@@ -430,7 +476,9 @@ def preprocess(
     output = Path(output)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    clips, form = list_inputs(input, video_column=video_column, caption_column=caption_column, split=split)
+    clips, form = list_inputs(
+        input, video_column=video_column, caption_column=caption_column, split=split, caption_encoding=caption_encoding
+    )
     num_shards = max(1, math.ceil(len(clips) / shard_size))
     # What the model is conditioned on, from its configs (an encoder passed in without a spec is text-only).
     spec = describe_model(model, revision=revision) if encoder is None else getattr(encoder, "spec", None)
@@ -444,6 +492,8 @@ def preprocess(
     if rank == 0:
         # Written again at the end: until then the folder is a dataset in the making.
         (output / DATASET_INFO).unlink(missing_ok=True)
+        if command:
+            (pending / PENDING_COMMAND).write_text(command + "\n", encoding="utf-8")
     store = _RowStore(output)
     stats = _Stats()
     if rank == 0:
@@ -646,6 +696,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard_size", type=int, default=32, help="clips per Parquet shard")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--vae_tiling", action="store_true", help="encode in spatial tiles (less memory at high resolution)")
+    p.add_argument(
+        "--caption_encoding",
+        default="utf-8",
+        help="text encoding of caption and metadata files (default utf-8; e.g. latin-1, cp1252)",
+    )
     return p
 
 
@@ -657,7 +712,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from fv_accel.models.loading import ModelLoadError
 
+    import codecs
+    import shlex
+
     args = build_parser().parse_args(argv)
+    try:
+        codecs.lookup(args.caption_encoding)
+    except LookupError:
+        print(f"error: --caption_encoding: unknown encoding {args.caption_encoding!r}", file=sys.stderr)
+        return 2
     try:
         sampling = FrameSampling(
             num_frames=tuple(int(v) for v in str(args.num_frames).split(",") if v.strip()),
@@ -692,6 +755,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             rank=state.process_index,
             world_size=state.num_processes,
             barrier=state.wait_for_everyone,
+            caption_encoding=args.caption_encoding,
+            command=shlex.join(["python", "-m", "fv_accel.preprocess", *(sys.argv[1:] if argv is None else argv)]),
         )
     except (InputError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from fv_accel.data.loader import latent_tokens
+from fv_accel.data.loader import NONFINITE_MARK, describe_samples, latent_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -310,10 +310,12 @@ class Trainer:
             grad_norm = None
             fault = None
             micro_records: list = []  # (loss, timesteps) per micro-batch, read only to report a fault
+            micro_samples: list = []  # the samples' names and NaN/inf flags, read only to report a fault
             for micro in range(k):
                 td = time.perf_counter()
                 batch = next(data_iter)
                 data_wait += time.perf_counter() - td
+                micro_samples.append({"source": batch.get("source"), "nonfinite": batch.get("nonfinite")})
                 with acc.accumulate(model):
                     loss_map, outputs, metrics = method.single_train_step(batch, self.step)
                     method.backward(loss_map, outputs, grad_accum_rounds=k)
@@ -330,6 +332,9 @@ class Trainer:
                         # non-finite gradient before it reaches the weights.
                         grad_norm = self._clip_gradients(params, max_norm)
                         fault = self._find_fault(loss_sums["total_loss"], grad_norm, micro_records, self.step + 1)
+                        if fault is not None and describe_samples(micro_samples):
+                            rank = f" (process {acc.process_index})" if acc.num_processes > 1 else ""
+                            fault += f"; {describe_samples(micro_samples)}{rank}"
                         if fault is None:
                             method.optimizer.step()
                         elif acc.scaler is not None:
@@ -345,7 +350,8 @@ class Trainer:
             else:
                 self.skipped_steps += 1
                 self.consecutive_skips += 1
-                if acc.is_main_process:
+                # Another process reports it too when its own samples hold the NaN/inf.
+                if acc.is_main_process or NONFINITE_MARK in fault:
                     logger.warning("skipped step %d (%d skipped in all): %s", self.step, self.skipped_steps, fault)
             step_time = time.perf_counter() - t0
 

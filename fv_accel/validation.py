@@ -187,11 +187,9 @@ def resolve_prompts(entries: Sequence[Union[str, dict]], defaults: dict[str, Any
 
 def count_rows(data_path: str) -> int:
     """Rows of a Parquet dataset, from the files' metadata (nothing is loaded)."""
-    import pyarrow.parquet as pq
+    from fv_accel.data.schema import parquet_files, parquet_row_counts
 
-    from fv_accel.data.schema import parquet_files
-
-    return sum(pq.ParquetFile(f).metadata.num_rows for f in parquet_files(data_path))
+    return sum(parquet_row_counts(parquet_files(data_path)))
 
 
 def heldout_split(num_rows: int, fraction: float, seed: int) -> list[int]:

@@ -38,8 +38,9 @@ def write_latent_dataset(
     text_dim: int = 32,
     seed: int = 0,
 ) -> str:
-    """Random latents [C, T, H, W] and text embeddings as one Parquet shard; returns the folder."""
-    from fv_accel.data.schema import make_row, write_rows
+    """Random latents [C, T, H, W] and text embeddings as one Parquet shard; returns the folder.
+    Its fv_dataset.json records latent statistics 0 and 1 (the latents are drawn normalised)."""
+    from fv_accel.data.schema import make_row, write_dataset_info, write_rows
 
     g = torch.Generator().manual_seed(seed)
     rows = [
@@ -52,6 +53,7 @@ def write_latent_dataset(
         for i in range(num_clips)
     ]
     write_rows(rows, Path(folder) / "data.parquet")
+    write_dataset_info(folder, model=None, vae_config={"latents_mean": [0.0] * channels, "latents_std": [1.0] * channels})
     return str(folder)
 
 

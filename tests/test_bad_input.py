@@ -104,7 +104,7 @@ def test_latents_with_the_wrong_channel_count(tmp_path):
         ConfigError,
         "latents have 8 channels (shape [8, 3, 4, 4]) but the student transformer expects 16 (in_channels)",
     )
-    assert text.startswith(f"{data} row 0:")
+    assert text.startswith(f"{data}/data.parquet row 0 (id 'clip-0'):")
 
 
 def test_empty_dataset(tmp_path, capsys):

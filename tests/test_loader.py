@@ -209,6 +209,9 @@ def test_fastvideo_written_parquet_loads_and_trains(tmp_path):
         "training.data.data_path": str(path),
         "training.loop.max_train_steps": 3,
         "training.checkpoint.save_final": False,
+        # FastVideo writes no fv_dataset.json: the latent statistics come from the recipe.
+        "models.student.latents_mean": [0.0] * 16,
+        "models.student.latents_std": [1.0] * 16,
     })
     run = build_from_config(str(default_recipe("finetune")), over)
     before = [p.detach().clone() for p in run.method.student.trainable_parameters()]

@@ -8,16 +8,27 @@ batch 1, and one with batch 1 and two accumulation steps all see the same sample
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from fv_accel.data.schema import CONDITIONING_COLUMNS, REQUIRED_COLUMNS, bytes_to_tensor, parquet_files, read_tensor_column
+from fv_accel.data.schema import (
+    CONDITIONING_COLUMNS,
+    DATASET_INFO,
+    REQUIRED_COLUMNS,
+    bytes_to_tensor,
+    parquet_files,
+    parquet_row_counts,
+    read_dataset_info,
+    read_tensor_column,
+)
 from fv_accel.seeding import sample_generator_seed
 
 logger = logging.getLogger(__name__)
@@ -31,14 +42,23 @@ class LatentDataset(Dataset):
     def __init__(self, data_path: str, *, text_max_length: int = TEXT_MAX_LENGTH, cfg_rate: float = 0.0, seed: int = 0):
         import datasets
 
+        from fv_accel.data.checks import check_stored_rows
+
         self.data_path = str(data_path)
         self.files = parquet_files(data_path)
-        import pyarrow.parquet as pq
-
+        counts = parquet_row_counts(self.files)
         # `datasets` refuses a dataset without rows with an unrelated message; say it plainly.
-        if sum(pq.ParquetFile(f).metadata.num_rows for f in self.files) == 0:
+        if sum(counts) == 0:
             raise ValueError(f"{self.data_path}: the dataset is empty (0 rows in {len(self.files)} Parquet file(s))")
-        self.ds = datasets.Dataset.from_parquet(self.files)
+        # Row i of the dataset is row i - file_starts[k] of file k (`datasets` keeps the files' order).
+        self.file_starts = [0]
+        for n in counts:
+            self.file_starts.append(self.file_starts[-1] + n)
+        try:
+            self.ds = datasets.Dataset.from_parquet(self.files)
+        except Exception as err:  # noqa: BLE001 - e.g. shards with different columns
+            detail = str(err).splitlines()[0] if str(err) else ""
+            raise ValueError(f"{self.data_path}: cannot read its Parquet files ({type(err).__name__}: {detail})") from None
         missing = [c for c in REQUIRED_COLUMNS if c not in self.ds.column_names]
         if missing:
             raise ValueError(
@@ -47,7 +67,17 @@ class LatentDataset(Dataset):
             )
         if len(self.ds) == 0:
             raise ValueError(f"{self.data_path}: the dataset is empty (0 rows)")
+        recorded = read_dataset_info(self.data_path).get("num_rows") if Path(self.data_path).is_dir() else None
+        if recorded is not None and int(recorded) != len(self.ds):
+            raise ValueError(
+                f"{self.data_path}: {DATASET_INFO} records {recorded} rows but its Parquet files hold "
+                f"{len(self.ds)}: shards were added, removed or cut short since preprocessing finished; rerun "
+                "the same preprocess command to rebuild it"
+            )
+        self.ids = self.ds["id"] if "id" in self.ds.column_names else None
+        check_stored_rows(self)
         self.latent_shapes = [tuple(int(v) for v in s) for s in self.ds["vae_latent_shape"]]
+        self.text_shapes = [tuple(int(v) for v in s) for s in self.ds["text_embedding_shape"]]
         # Image-to-video columns this dataset has (read into the batch where a row holds them).
         self.conditioning_columns = [c for c in CONDITIONING_COLUMNS if f"{c}_bytes" in self.ds.column_names]
         self.text_max_length = text_max_length
@@ -55,6 +85,12 @@ class LatentDataset(Dataset):
         self.seed = seed
         # Index of this dataset's first row in a mix, so mixed datasets draw different dropouts.
         self.global_offset = 0
+
+    def describe(self, index: int) -> str:
+        """Where row `index` lives, for messages: '<file> row <row in file> (id <id>)'."""
+        k = bisect.bisect_right(self.file_starts, int(index)) - 1
+        ident = self.ids[int(index)] if self.ids is not None else None
+        return f"{self.files[k]} row {int(index) - self.file_starts[k]}" + (f" (id {ident!r})" if ident else "")
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -65,7 +101,8 @@ class LatentDataset(Dataset):
     def __getitem__(self, key: Any) -> dict:
         index, epoch, position = key if isinstance(key, tuple) else (key, 0, 0)
         row = self.ds[int(index)]
-        where = f"{self.data_path} row {index}: "
+        source = self.describe(int(index))
+        where = f"{source}: "
         latent = bytes_to_tensor(row["vae_latent_bytes"], row["vae_latent_shape"], row["vae_latent_dtype"], where=where)
         text = bytes_to_tensor(
             row["text_embedding_bytes"], row["text_embedding_shape"], row["text_embedding_dtype"], where=where
@@ -89,14 +126,19 @@ class LatentDataset(Dataset):
             )
             if torch.rand((), generator=g).item() < self.cfg_rate:
                 padded.zero_()
+        latent = latent.float()
         item = {
-            "vae_latent": latent.float(),
+            "vae_latent": latent,
             "text_embedding": padded,
             "text_attention_mask": mask,
             "caption": row.get("caption", "") or "",
             "sample_index": int(index),
             "epoch": int(epoch),
             "position": int(position),
+            # Named in the trainer's warning when a step is skipped for a non-finite loss. A sum is
+            # non-finite when any value is NaN or infinite, and costs one pass over the tensor.
+            "source": source,
+            "nonfinite": not (bool(torch.isfinite(latent.sum())) and bool(torch.isfinite(text.sum()))),
         }
         for name in self.conditioning_columns:
             value = read_tensor_column(row, name, where=where)
@@ -140,6 +182,8 @@ def collate(items: list[dict]) -> dict:
         "sample_index": torch.tensor([it["sample_index"] for it in items], dtype=torch.long),
         "epoch": torch.tensor([it["epoch"] for it in items], dtype=torch.long),
         "position": items[0]["position"],
+        "source": [it.get("source", "") for it in items],
+        "nonfinite": [bool(it.get("nonfinite", False)) for it in items],
     }
     for name in CONDITIONING_LAYOUTS:
         holders = [it["sample_index"] for it in items if name in it]
@@ -152,6 +196,23 @@ def collate(items: list[dict]) -> dict:
                 "image-to-video and text-to-video datasets cannot be mixed"
             )
     return batch
+
+
+NONFINITE_MARK = "[NaN/inf in its data]"
+
+
+def describe_samples(batches: Sequence[dict]) -> str:
+    """The samples of a step's micro-batches, those holding NaN or infinite values marked (for the
+    trainer's skipped-step warning)."""
+    names, flagged = [], []
+    for batch in batches:
+        for source, bad in zip(batch.get("source") or [], batch.get("nonfinite") or []):
+            names.append(source)
+            if bad:
+                flagged.append(f"{source} {NONFINITE_MARK}")
+    if not names:
+        return ""
+    return "samples: " + "; ".join(flagged or names)
 
 
 @dataclass
@@ -202,6 +263,25 @@ class BucketBatchSampler:
                 f"no bucket holds enough samples for one step: {self.group_size} needed "
                 f"(batch {batch_size} x {world_size} processes x {grad_accum} accumulation), "
                 f"largest bucket has {len(largest)}"
+            )
+        if rank == 0 and self.weights is None:
+            self._warn_untrainable()
+
+    def _warn_untrainable(self) -> None:
+        """Samples in a bucket smaller than one step are in no step of any epoch: say so once."""
+        small = {key: len(idx) for key, idx in self._buckets().items() if len(idx) < self.group_size}
+        if small:
+            shapes = ", ".join(f"{n} of latent (T, H, W) {key}" for key, n in sorted(small.items()))
+            logger.warning(
+                "%d sample(s) will never be trained: their bucket holds fewer samples than one step takes "
+                "(%d = batch %d x %d processes x %d accumulation): %s; lower training.data.train_batch_size "
+                "or preprocess them to a shape that has more samples",
+                sum(small.values()),
+                self.group_size,
+                self.batch_size,
+                self.world_size,
+                self.grad_accum,
+                shapes,
             )
 
     def _buckets(self) -> dict[tuple, list[int]]:
@@ -284,6 +364,8 @@ class TrainLoader:
         self.dataset = dataset
         self.sampler = sampler
         self.num_workers = num_workers
+        # Rows left out because their shape is not the one training.data.num_* ask for.
+        self.off_shape_indices: list[int] = []
         self._consumed = LoaderPosition(sampler.position.epoch, sampler.position.step_in_epoch)
 
     def __iter__(self) -> Iterator[dict]:
@@ -325,6 +407,9 @@ def build_train_loader(
     weights = None
     if data.mix:
         dataset, weights = _mix_datasets(dataset, data)
+    off_shape = shape_filter_exclusions(dataset, data, log=rank == 0)
+    if off_shape:
+        exclude_indices = sorted(set(exclude_indices or ()) | set(off_shape))
     sampler = BucketBatchSampler(
         [dataset.bucket_key(i) for i in range(len(dataset))],
         batch_size=data.train_batch_size,
@@ -335,7 +420,68 @@ def build_train_loader(
         weights=weights,
         exclude_indices=exclude_indices,
     )
-    return TrainLoader(dataset, sampler, num_workers=data.dataloader_num_workers)
+    loader = TrainLoader(dataset, sampler, num_workers=data.dataloader_num_workers)
+    loader.off_shape_indices = list(off_shape)
+    return loader
+
+
+# Wan's VAE: 4x in time (T = (frames - 1) / 4 + 1) and 8x in space.
+VAE_TEMPORAL, VAE_SPATIAL = 4, 8
+
+
+def wanted_latent_shape(data) -> dict[str, tuple[str, int]]:
+    """The latent sizes the recipe's `training.data.num_latent_t / num_frames / num_height /
+    num_width` ask for: axis of (C, T, H, W) -> (the key, the latent size)."""
+    wanted: dict[str, tuple[str, int]] = {}
+    if data.num_latent_t is not None:
+        wanted["T"] = ("num_latent_t", int(data.num_latent_t))
+    elif data.num_frames is not None:
+        wanted["T"] = ("num_frames", (int(data.num_frames) - 1) // VAE_TEMPORAL + 1)
+    if data.num_height is not None:
+        wanted["H"] = ("num_height", int(data.num_height) // VAE_SPATIAL)
+    if data.num_width is not None:
+        wanted["W"] = ("num_width", int(data.num_width) // VAE_SPATIAL)
+    return wanted
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    c, t, h, w = shape
+    return f"[{c}, {t}, {h}, {w}] ({(t - 1) * VAE_TEMPORAL + 1} frames, {h * VAE_SPATIAL}x{w * VAE_SPATIAL})"
+
+
+def shape_filter_exclusions(dataset, data, *, log: bool = True) -> list[int]:
+    """Rows whose latent shape differs from what `training.data.num_latent_t / num_frames /
+    num_height / num_width` ask for (FastVideo recipes carry them): they are left out of training,
+    with a warning counting them by shape; none left is an error naming the keys and the shapes found."""
+    wanted = wanted_latent_shape(data)
+    if not wanted:
+        return []
+    axis = {"T": 1, "H": 2, "W": 3}
+    shapes = [dataset_shape for part in (getattr(dataset, "parts", None) or [dataset]) for dataset_shape in part.latent_shapes]
+    off = [i for i, shape in enumerate(shapes) if any(shape[axis[a]] != size for a, (_, size) in wanted.items())]
+    if not off:
+        return []
+    asked = ", ".join(f"training.data.{key} {getattr(data, key)}" for key, _ in wanted.values())
+    asked += " asks" if len(wanted) == 1 else " ask"
+    found = Counter(shapes[i] for i in off)
+    listing = ", ".join(f"{n} x {_shape_text(shape)}" for shape, n in found.most_common(4))
+    more = f" and {len(found) - 4} other shape(s)" if len(found) > 4 else ""
+    if len(off) == len(shapes):
+        raise ValueError(
+            f"{dataset.data_path}: no row has the shape that {asked} for: its latents are {listing}{more}; "
+            f"set these keys to the data's sizes, or to null to train on every shape"
+        )
+    if log:
+        logger.warning(
+            "%d of %d row(s) left out of training: %s for other sizes than theirs (%s%s); set these keys "
+            "to null to train on every shape",
+            len(off),
+            len(shapes),
+            asked,
+            listing,
+            more,
+        )
+    return off
 
 
 class ConcatLatentDataset(Dataset):

@@ -6,8 +6,9 @@ and dtype, plus the clip's metadata. Datasets preprocessed by FastVideo load unc
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -46,19 +47,37 @@ def tensor_to_bytes(t: torch.Tensor) -> tuple[bytes, list[int], str]:
     return raw, list(t.shape), dtype
 
 
+def dtype_itemsize(dtype: Any) -> Optional[int]:
+    """Bytes per value of a stored dtype name ("float32", "torch.bfloat16", ...), None if unsupported."""
+    key = str(dtype).replace("torch.", "")
+    if key not in _DTYPES:
+        return None
+    return 2 if key == "bfloat16" else int(np.dtype(_DTYPES[key]).itemsize)
+
+
+def stored_size_problem(num_bytes: int, shape: Sequence[int], dtype: Any) -> Optional[str]:
+    """Why `num_bytes` of `dtype` cannot hold `shape`, or None when they fit."""
+    itemsize = dtype_itemsize(dtype)
+    if itemsize is None:
+        return f"unsupported dtype {dtype!r}; expected one of {', '.join(_DTYPES)}"
+    expected = int(np.prod([int(s) for s in shape])) * itemsize
+    if num_bytes != expected:
+        return f"{num_bytes} bytes stored for shape {[int(s) for s in shape]} of {dtype} ({expected} bytes expected)"
+    return None
+
+
 def bytes_to_tensor(raw: bytes, shape: Iterable[int], dtype: str, *, where: str = "") -> torch.Tensor:
     shape = [int(s) for s in shape]
     key = str(dtype).replace("torch.", "")
-    if key not in _DTYPES:
-        raise ValueError(f"{where}unsupported dtype {dtype!r}; expected one of {', '.join(_DTYPES)}")
+    problem = stored_size_problem(len(raw), shape, key)
+    if problem:
+        raise ValueError(f"{where}{problem}")
     if key == "bfloat16":
         arr = np.frombuffer(raw, dtype=np.int16)
         t = torch.from_numpy(arr.copy()).view(torch.bfloat16)
     else:
         arr = np.frombuffer(raw, dtype=_DTYPES[key])
         t = torch.from_numpy(arr.copy())
-    if t.numel() != int(np.prod(shape)):
-        raise ValueError(f"{where}{t.numel()} values stored for shape {shape}")
     return t.reshape(shape)
 
 
@@ -149,7 +168,9 @@ def write_dataset_info(folder: str | Path, *, model: str, vae_config: Any, **ext
         **extra,
     }
     path = folder / DATASET_INFO
-    path.write_text(json.dumps(info, indent=2) + "\n")
+    tmp = path.with_name("." + path.name + ".tmp")  # never a half-written file under the real name
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    tmp.replace(path)
     return path
 
 
@@ -160,7 +181,24 @@ def read_dataset_info(data_path: str | Path) -> dict:
     path = (p if p.is_dir() else p.parent) / DATASET_INFO
     if not path.is_file():
         return {}
-    return json.loads(path.read_text())
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); rerun preprocessing to write it again") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(info).__name__}")
+    return info
+
+
+# Preprocessing's own names (fv_accel/preprocess.py): its shards, and its folder of rows in progress.
+SHARD_RE = re.compile(r"^data-(\d{5})-of-(\d{5})\.parquet$")
+PENDING_DIR = ".fv_pending"
+# The command that started preprocessing, kept in PENDING_DIR until it finishes (to say how to resume).
+PENDING_COMMAND = "command.txt"
+
+
+class IncompleteDatasetError(ValueError):
+    """A dataset folder that preprocessing has not finished (or of which shards are missing)."""
 
 
 def parquet_files(data_path: str | Path) -> list[str]:
@@ -173,6 +211,69 @@ def parquet_files(data_path: str | Path) -> list[str]:
             str(f) for f in p.rglob("*.parquet") if not any(part.startswith(".") for part in f.relative_to(p).parts)
         )
         if files:
+            check_dataset_complete(p, files)
             return files
         raise FileNotFoundError(f"training.data.data_path: no .parquet files under '{p}'")
     raise FileNotFoundError(f"training.data.data_path: '{p}' does not exist")
+
+
+def _resume_hint(folder: Path) -> str:
+    marker = folder / PENDING_DIR / PENDING_COMMAND
+    command = marker.read_text(encoding="utf-8").strip() if marker.is_file() else ""
+    if command:
+        return f"finish it by rerunning the same command (it resumes where it stopped): {command}"
+    return (
+        "finish it by rerunning the same `python -m fv_accel.preprocess ... --output "
+        f"{folder}` command (it resumes where it stopped)"
+    )
+
+
+def check_dataset_complete(folder: Path, files: Sequence[str]) -> None:
+    """Refuse a folder that preprocessing left unfinished: its pending-rows folder is still there,
+    or (without the fv_dataset.json that preprocessing writes last) its `-of-N` shard set has gaps.
+    A finished dataset may lack shard numbers: a shard whose clips were all skipped is not written."""
+    folder = Path(folder)
+    pending = folder / PENDING_DIR
+    if pending.is_dir():
+        rows = sum(1 for f in pending.glob("*.parquet"))
+        raise IncompleteDatasetError(
+            f"{folder}: the dataset is incomplete: preprocessing has not finished ({PENDING_DIR}/ is still "
+            f"there, {rows} encoded clip(s) not yet in a shard, and {DATASET_INFO} is missing); {_resume_hint(folder)}"
+        )
+    if (folder / DATASET_INFO).is_file():
+        return
+    shards: dict[int, set[int]] = {}
+    for f in files:
+        m = SHARD_RE.match(Path(f).name)
+        if m and Path(f).parent == folder:
+            shards.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+    for total, present in sorted(shards.items()):
+        missing = [i for i in range(total) if i not in present]
+        if missing or len(shards) > 1:
+            what = (
+                f"shard(s) {', '.join(f'{i:05d}' for i in missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                f"of data-*-of-{total:05d} are missing"
+                if missing
+                else f"shard sets of {' and '.join(str(n) for n in sorted(shards))} files are mixed"
+            )
+            raise IncompleteDatasetError(
+                f"{folder}: the dataset is incomplete: {what} ({len(present)} of {total} present) and "
+                f"{DATASET_INFO}, which preprocessing writes last, is missing; {_resume_hint(folder)}"
+            )
+
+
+def parquet_row_counts(files: Sequence[str]) -> list[int]:
+    """Rows of each Parquet file, from its footer (nothing is loaded); a file that is not Parquet
+    (0 bytes, garbage, cut short) is an error naming it."""
+    import pyarrow.parquet as pq
+
+    counts = []
+    for f in files:
+        try:
+            counts.append(int(pq.ParquetFile(f).metadata.num_rows))
+        except Exception as err:  # noqa: BLE001 - pyarrow raises ArrowInvalid/OSError for a bad footer
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(
+                f"{f}: not a readable Parquet file ({detail}); remove it, or rerun preprocessing to write it again"
+            ) from None
+    return counts

@@ -109,7 +109,7 @@ class ClipFrames:
     frames: np.ndarray  # uint8 [F, H, W, 3]
     fps: float  # of the sampled frames
     source_frames: int
-    source_size: tuple[int, int]  # (height, width)
+    source_size: tuple[int, int]  # (height, width) as shown (display rotation applied)
     start: int
 
 
@@ -151,6 +151,19 @@ def sample_indices(count: int, src_fps: float, sampling: FrameSampling, content_
     return indices, src_fps / step, start
 
 
+def display_quarter_turns(frame, stream) -> int:
+    """Counter-clockwise quarter turns (0-3) that show a decoded frame upright: from the display
+    matrix side data (`VideoFrame.rotation`, counter-clockwise degrees), else from the stream's
+    `rotate` tag that older FFmpeg builds set (clockwise degrees)."""
+    degrees = float(getattr(frame, "rotation", 0) or 0)
+    if not degrees:
+        try:
+            degrees = -float((stream.metadata or {}).get("rotate", 0) or 0)
+        except (TypeError, ValueError):
+            degrees = 0.0
+    return int(round(degrees / 90.0)) % 4
+
+
 def read_clip(source: Union[str, Path, bytes], name: str, sampling: FrameSampling, content_hash: str) -> ClipFrames:
     """Decode the frames a clip contributes, resized and centre-cropped to its nearest bucket."""
     import av
@@ -173,25 +186,33 @@ def read_clip(source: Union[str, Path, bytes], name: str, sampling: FrameSamplin
         if count < 1:
             raise ClipError("unreadable", "the video stream holds no frames")
         indices, fps, start = sample_indices(count, src_fps or 1.0, sampling, int(content_hash[:15], 16), image)
-        bucket_h, bucket_w = nearest_bucket(src_h, src_w, sampling.buckets)
-        scale = max(bucket_h / src_h, bucket_w / src_w)
-        resized_h = max(bucket_h, round(src_h * scale))
-        resized_w = max(bucket_w, round(src_w * scale))
-        interpolation = "AREA" if scale < 1 else "BICUBIC"
-        top, left = (resized_h - bucket_h) // 2, (resized_w - bucket_w) // 2
         wanted: dict[int, list[int]] = {}
         for pos, idx in enumerate(indices):
             wanted.setdefault(idx, []).append(pos)
-        out = np.empty((len(indices), bucket_h, bucket_w, 3), dtype=np.uint8)
+        out: Optional[np.ndarray] = None
         filled = 0
         last = max(indices)
         decoded = 0
         try:
             for i, frame in enumerate(container.decode(stream)):
                 decoded = i + 1
+                if out is None:
+                    # The bucket is chosen for the picture as it is shown: a phone clip stored
+                    # landscape with a display rotation of -90 degrees is portrait.
+                    turns = display_quarter_turns(frame, stream)
+                    shown_h, shown_w = (src_w, src_h) if turns % 2 else (src_h, src_w)
+                    bucket_h, bucket_w = nearest_bucket(shown_h, shown_w, sampling.buckets)
+                    scale = max(bucket_h / shown_h, bucket_w / shown_w)
+                    resized_h = max(bucket_h, round(shown_h * scale))
+                    resized_w = max(bucket_w, round(shown_w * scale))
+                    interpolation = "AREA" if scale < 1 else "BICUBIC"
+                    top, left = (resized_h - bucket_h) // 2, (resized_w - bucket_w) // 2
+                    stored_w, stored_h = (resized_h, resized_w) if turns % 2 else (resized_w, resized_h)
+                    out = np.empty((len(indices), bucket_h, bucket_w, 3), dtype=np.uint8)
                 if i in wanted:
-                    rgb = frame.reformat(width=resized_w, height=resized_h, format="rgb24", interpolation=interpolation)
-                    crop = rgb.to_ndarray()[top : top + bucket_h, left : left + bucket_w]
+                    rgb = frame.reformat(width=stored_w, height=stored_h, format="rgb24", interpolation=interpolation)
+                    shown = np.rot90(rgb.to_ndarray(), k=turns) if turns else rgb.to_ndarray()
+                    crop = shown[top : top + bucket_h, left : left + bucket_w]
                     for pos in wanted[i]:
                         out[pos] = crop
                         filled += 1
@@ -201,11 +222,11 @@ def read_clip(source: Union[str, Path, bytes], name: str, sampling: FrameSamplin
             raise ClipError(
                 "truncated", f"decoding failed after {decoded} of {count} frame(s) ({err.__class__.__name__}: {err})"
             ) from None
-        if filled < len(indices):
+        if out is None or filled < len(indices):
             raise ClipError(
                 "truncated", f"the file ends after {decoded} decodable frame(s); its header announces {count}"
             )
-        return ClipFrames(frames=out, fps=fps, source_frames=count, source_size=(src_h, src_w), start=start)
+        return ClipFrames(frames=out, fps=fps, source_frames=count, source_size=(shown_h, shown_w), start=start)
     finally:
         container.close()
 

@@ -1,0 +1,122 @@
+"""Checks of a latent dataset made before training starts, each failing in one line that names the
+file, the row and the value: rows whose stored bytes cannot be what their shape says, empty text
+embeddings, and (given the transformer's numbers) latents or text the model cannot take.
+
+Only the shape, dtype and byte-length columns are read (the byte lengths come from the Arrow
+offsets, not the data), so the checks cost little even on a large dataset.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from fv_accel.data.schema import stored_size_problem
+
+
+def _first_problem(rows: Iterator[tuple[int, Optional[str]]], describe: Callable[[int], str]) -> None:
+    """Raise for the first row with a problem, counting the rows with any."""
+    first: Optional[tuple[int, str]] = None
+    count = 0
+    for i, problem in rows:
+        if problem:
+            count += 1
+            if first is None:
+                first = (i, problem)
+    if first is not None:
+        more = f" ({count - 1} more row(s) with problems)" if count > 1 else ""
+        raise ValueError(f"{describe(first[0])}: {first[1]}{more}")
+
+
+def _shape_problem(shape: Any, column: str, expected: str, ndims: Sequence[int]) -> Optional[str]:
+    if shape is None or len(shape) not in ndims or any(s is None or int(s) < 0 for s in shape):
+        return f"{column} {shape}; expected {expected}"
+    return None
+
+
+def _row_problem(latent: tuple, text: tuple) -> Optional[str]:
+    """latent / text: (shape, dtype, number of bytes) of one row."""
+    problem = _shape_problem(latent[0], "vae_latent_shape", "[C, T, H, W]", (4,))
+    if problem is None and min(int(s) for s in latent[0]) < 1:
+        problem = f"vae_latent_shape {list(latent[0])}: the latent is empty"
+    if problem is None:
+        problem = _shape_problem(text[0], "text_embedding_shape", "[L, D] (or [1, L, D])", (2, 3))
+    if problem is None and len(text[0]) == 3 and int(text[0][0]) != 1:
+        problem = f"text_embedding_shape {list(text[0])}; expected [L, D] (or [1, L, D])"
+    if problem is None and min(int(s) for s in text[0][-2:]) < 1:
+        problem = (
+            f"text_embedding_shape {list(text[0])}: the text embedding is empty (it would train on zeros); "
+            "encode the caption again (rerun preprocessing)"
+        )
+    for column, (shape, dtype, nbytes) in (("vae_latent_bytes", latent), ("text_embedding_bytes", text)):
+        if problem is None:
+            if nbytes is None:
+                problem = f"{column} is missing (null)"
+            else:
+                size = stored_size_problem(int(nbytes), shape, dtype)
+                problem = f"{column}: {size}" if size else None
+    return problem
+
+
+def check_stored_rows(dataset: Any) -> None:
+    """Every row's latent and text embedding must be readable as the shape and dtype it records.
+
+    `dataset`: a `LatentDataset` (its `ds`, `describe`)."""
+    import pyarrow.compute as pc
+
+    table = dataset.ds.data
+
+    def columns(prefix: str) -> list[tuple]:
+        nbytes = pc.binary_length(table.column(f"{prefix}_bytes")).to_pylist()
+        shapes = table.column(f"{prefix}_shape").to_pylist()
+        dtypes = table.column(f"{prefix}_dtype").to_pylist()
+        return list(zip(shapes, dtypes, nbytes))
+
+    latents, texts = columns("vae_latent"), columns("text_embedding")
+    _first_problem(((i, _row_problem(lat, txt)) for i, (lat, txt) in enumerate(zip(latents, texts))), dataset.describe)
+
+
+def check_fits_model(
+    dataset: Any,
+    *,
+    in_channels: Optional[int] = None,
+    text_dim: Optional[int] = None,
+    patch_size: Optional[Sequence[int]] = None,
+    chunk_size: Optional[int] = None,
+) -> None:
+    """What the transformer can take: latent channels (`in_channels`), text width (`text_dim`),
+    latent frames/height/width divisible by its patch (`patch_size`), and a DFSFT chunk no longer
+    than the clip. `dataset`: a LatentDataset, or a ConcatLatentDataset of several (`parts`)."""
+    from fv_accel.config import ConfigError
+
+    parts = getattr(dataset, "parts", None) or [dataset]
+    for part in parts:
+        text_shapes = getattr(part, "text_shapes", None)
+        describe = getattr(part, "describe", None) or (lambda i, p=part: f"{p.data_path} row {i}")
+        for i, shape in enumerate(part.latent_shapes):
+            where = describe(i)
+            if len(shape) != 4:
+                raise ConfigError(f"{where}: vae_latent_shape {list(shape)}; expected [C, T, H, W]")
+            if in_channels is not None and shape[0] != in_channels:
+                raise ConfigError(
+                    f"{where}: latents have {shape[0]} channels (shape {list(shape)}) but the student "
+                    f"transformer expects {in_channels} (in_channels); encode the data with the model's own VAE"
+                )
+            if patch_size is not None:
+                for axis, size, patch in zip(("frame count", "height", "width"), shape[1:], patch_size):
+                    if int(patch) > 1 and size % int(patch):
+                        raise ConfigError(
+                            f"{where}: latent {axis} {size} (vae_latent_shape {list(shape)}) is not divisible by "
+                            f"the student transformer's patch size {list(patch_size)}; preprocess with frame "
+                            f"sides that are multiples of {8 * int(patch)} pixels (e.g. --buckets 480x832)"
+                        )
+            if chunk_size is not None and chunk_size > shape[1]:
+                raise ConfigError(
+                    f"method.chunk_size ({chunk_size}) is larger than the latent frame count ({shape[1]}) of "
+                    f"{where} (shape {list(shape)}); use a chunk size <= {shape[1]} or longer clips"
+                )
+            if text_dim is not None and text_shapes is not None and int(text_shapes[i][-1]) != text_dim:
+                raise ConfigError(
+                    f"{where}: text embeddings are {text_shapes[i][-1]} wide (text_embedding_shape "
+                    f"{list(text_shapes[i])}) but the student transformer takes {text_dim} (text_dim); "
+                    "encode the captions with the model's own text encoder"
+                )
