@@ -660,7 +660,6 @@ class VideoSamplingCallback(TrainerCallback):
                 shift=self.val.sampling_flow_shift,
                 generator=generator,
                 first_frame=None if condition is None else condition["pil_image"][0].numpy(),
-                image_features=None if condition is None else condition.get("clip_feature"),
             )
             if latents is not None:
                 return latents

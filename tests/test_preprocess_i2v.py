@@ -166,7 +166,7 @@ def test_fastvideo_style_rows_load(tmp_path):
     ds = LatentDataset(str(tmp_path))
     item = ds[0]
     assert torch.equal(item["first_frame_latent"], latent * 2) and "clip_feature" not in item
-    with pytest.raises(ValueError, match=r"row 1: first_frame_latent: shape \[16, 1, 4, 4\] differs from vae_latent's \[16, 2, 4, 4\]"):
+    with pytest.raises(ValueError, match=r"row 1 \(id 'b'\): first_frame_latent: shape \[16, 1, 4, 4\] differs from vae_latent's \[16, 2, 4, 4\]"):
         ds[1]
 
 

@@ -526,8 +526,7 @@ class WanStudent(ModelBase):
         shift: float,
         generator: torch.Generator,
         first_frame: Optional[Any] = None,
-        image_features: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+    ) -> Optional[torch.Tensor]:
         """A sample through the repo's own diffusers pipeline (WanPipeline, or WanImageToVideoPipeline
         from `first_frame`, a uint8 [H, W, 3] image) around the live transformer; returns the
         normalised latents. A single Wan 2.2 expert samples with the base repo's other expert."""
@@ -535,8 +534,11 @@ class WanStudent(ModelBase):
 
         from fv_accel.sampling import sampling_scheduler
 
-        if self.kind == "skyreels_v2":
-            return None  # the diffusion-forcing sampler over `forward` (validation's default)
+        if self.kind == "skyreels_v2" or self.uses_image_features:
+            # The Euler sampler over `forward` (validation's default): SkyReels-V2 samples by diffusion
+            # forcing, and WanImageToVideoPipeline takes the image or precomputed CLIP features, not
+            # both, while its condition latent needs the image (the CLIP encoder is not kept loaded).
+            return None
 
         transformer, transformer_2 = self.transformer, None
         if self.expert == "both":
@@ -562,8 +564,6 @@ class WanStudent(ModelBase):
 
             pipe = WanImageToVideoPipeline(image_encoder=None, image_processor=None, **parts)
             call["image"] = Image.fromarray(np.asarray(first_frame, dtype=np.uint8))
-            if self.uses_image_features:
-                call["image_embeds"] = image_features.to(self.device)
         else:
             pipe = WanPipeline(**parts)
         pipe.set_progress_bar_config(disable=True)
