@@ -122,33 +122,39 @@ def plot_heldout(series: Series, out: Path) -> Optional[Path]:
 
 
 def plot_throughput(series: Series, out: Path) -> Optional[Path]:
+    """samples/s, latent tokens/s (each on its own axis: at a fixed clip size one is a multiple of
+    the other, and a shared or twin axis draws them over each other), step time and data wait,
+    and memory."""
     if "samples_per_s" not in series:
         return None
     memory = [k for k in ("peak_mem_gb", "peak_reserved_gb", "cpu_rss_gb") if k in series]
-    plt, fig, axes = _figure(3 if memory else 2)
+    tokens = "latent_tokens_per_s" in series
+    plt, fig, axes = _figure(2 + int(tokens) + int(bool(memory)))
     ax = axes[0]
     ax.plot(*series["samples_per_s"], color="tab:green", linewidth=1.0, label="samples/s")
     ax.set_ylabel("samples/s")
     ax.grid(alpha=0.3)
-    if "latent_tokens_per_s" in series:
-        twin = ax.twinx()
-        twin.plot(*series["latent_tokens_per_s"], color="tab:purple", linewidth=0.8, alpha=0.6)
-        twin.set_ylabel("latent tokens/s", color="tab:purple")
     if "mfu" in series:
         steps, values = series["mfu"]
         ax.set_title(f"estimated MFU: median {sorted(values)[len(values) // 2] * 100:.1f}%", fontsize=9)
+    row = 1
+    if tokens:
+        axes[row].plot(*series["latent_tokens_per_s"], color="tab:purple", linewidth=1.0)
+        axes[row].set_ylabel("latent tokens/s")
+        axes[row].grid(alpha=0.3)
+        row += 1
     for key, color in (("step_time", "tab:orange"), ("data_wait", "tab:brown")):
         if key in series:
-            axes[1].plot(*series[key], color=color, linewidth=1.0, label=key.replace("_", " ") + " (s)")
-    axes[1].set_ylabel("seconds")
-    axes[1].legend(loc="upper right", fontsize=8)
-    axes[1].grid(alpha=0.3)
+            axes[row].plot(*series[key], color=color, linewidth=1.0, label=key.replace("_", " ") + " (s)")
+    axes[row].set_ylabel("seconds")
+    axes[row].legend(loc="upper right", fontsize=8)
+    axes[row].grid(alpha=0.3)
     if memory:
         for key in memory:
-            axes[2].plot(*series[key], linewidth=1.0, label=key.replace("_gb", "").replace("_", " "))
-        axes[2].set_ylabel("GiB")
-        axes[2].legend(loc="upper right", fontsize=8)
-        axes[2].grid(alpha=0.3)
+            axes[row + 1].plot(*series[key], linewidth=1.0, label=key.replace("_gb", "").replace("_", " "))
+        axes[row + 1].set_ylabel("GiB")
+        axes[row + 1].legend(loc="upper right", fontsize=8)
+        axes[row + 1].grid(alpha=0.3)
     axes[-1].set_xlabel("step")
     return _save(plt, fig, out / "throughput.png")
 

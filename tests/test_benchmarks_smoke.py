@@ -86,7 +86,7 @@ def test_data_throughput_quick(tmp_path):
     assert data["size"] == "tiny" and data["rows"] == 8
     for key in ("loader_samples_per_s", "model_samples_per_s", "ratio_loader_over_model"):
         assert data[key]["n"] == 2 and _positive(data[key]["median"])
-    ratio = data["ratio_loader_over_model"]["median"]
-    assert ratio == pytest.approx(data["loader_samples_per_s"]["median"] / data["model_samples_per_s"]["median"], rel=0.5)
+        assert data[key]["min"] <= data[key]["median"] <= data[key]["max"]
+    # Structure only: timings (and ratios of timings) are never compared in a test.
     assert 0 <= data["trainer_data_wait_share_of_step"]["median"] < 1
     assert "loader / model" in md

@@ -97,3 +97,21 @@ def test_step_flops_peak_table_and_summary_table():
         "| best heldout loss | 0.5123 |",
     ]
 
+
+
+def test_throughput_plot_gives_samples_and_tokens_an_axis_each(tmp_path, monkeypatch):
+    import fv_accel.plot as plot
+
+    figures = []
+    monkeypatch.setattr(plot, "_save", lambda plt, fig, path: figures.append(fig) or path)
+    series = {
+        "samples_per_s": ([1, 2, 3], [2.0, 2.1, 2.2]),
+        "latent_tokens_per_s": ([1, 2, 3], [216.0, 226.8, 237.6]),  # 108 tokens a sample
+        "step_time": ([1, 2, 3], [0.5, 0.48, 0.46]),
+        "cpu_rss_gb": ([1, 2, 3], [0.5, 0.5, 0.5]),
+    }
+    assert plot.plot_throughput(series, tmp_path) == tmp_path / "throughput.png"
+    (fig,) = figures
+    labels = [ax.get_ylabel() for ax in fig.axes]
+    assert labels == ["samples/s", "latent tokens/s", "seconds", "GiB"]  # no twin axis drawn over another
+    assert [len(ax.lines) for ax in fig.axes[:2]] == [1, 1]
