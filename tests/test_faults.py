@@ -417,8 +417,9 @@ def test_sigterm_to_one_rank_stops_both_and_their_checkpoints_replay_exactly(tmp
 
 @pytest.mark.parametrize("outcome,code", [("ok", 0), ("stopped", 1), ("crash", 1)])
 def test_multi_process_entry_ends_without_interpreter_teardown(monkeypatch, capfd, outcome, code):
-    """A multi-process run ends with os._exit after flushing (the gloo teardown can deadlock; see
-    fv_accel.process.exit_without_teardown); a single-process run returns normally and raises as usual."""
+    """A gloo run of several processes ends with os._exit after flushing (its teardown can deadlock;
+    see fv_accel.process.exit_without_teardown); a single-process run, or several processes on
+    another backend (NCCL), return normally and raise as usual."""
     import fv_accel.build
     import fv_accel.cli as cli
 
@@ -432,9 +433,12 @@ def test_multi_process_entry_ends_without_interpreter_teardown(monkeypatch, capf
             if outcome == "crash":
                 raise RuntimeError("boom in step 7")
 
+    def fake_run(processes, backend):
+        accelerator = types.SimpleNamespace(num_processes=processes, state=types.SimpleNamespace(backend=backend))
+        return lambda cfg: types.SimpleNamespace(accelerator=accelerator)
+
     exits = []
-    monkeypatch.setattr(fv_accel.build, "build_from_config", lambda cfg: types.SimpleNamespace(
-        accelerator=types.SimpleNamespace(num_processes=2)))
+    monkeypatch.setattr(fv_accel.build, "build_from_config", fake_run(2, "gloo"))
     monkeypatch.setattr(trainer_module, "Trainer", FakeTrainer)
     monkeypatch.setattr(os, "_exit", exits.append)
     monkeypatch.setattr(logging, "shutdown", lambda: None)  # keep pytest's own log handlers open
@@ -443,12 +447,12 @@ def test_multi_process_entry_ends_without_interpreter_teardown(monkeypatch, capf
     if outcome == "crash":
         assert "RuntimeError: boom in step 7" in capfd.readouterr().err
 
-    exits.clear()
-    monkeypatch.setattr(fv_accel.build, "build_from_config", lambda cfg: types.SimpleNamespace(
-        accelerator=types.SimpleNamespace(num_processes=1)))
-    if outcome == "crash":
-        with pytest.raises(RuntimeError, match="boom in step 7"):
-            cli.main("finetune", [])
-    else:
-        assert cli.main("finetune", []) == code
-    assert exits == []
+    for processes, backend in ((1, None), (2, "nccl")):
+        exits.clear()
+        monkeypatch.setattr(fv_accel.build, "build_from_config", fake_run(processes, backend))
+        if outcome == "crash":
+            with pytest.raises(RuntimeError, match="boom in step 7"):
+                cli.main("finetune", [])
+        else:
+            assert cli.main("finetune", []) == code
+        assert exits == []
