@@ -32,6 +32,8 @@ class BuiltRun:
     callbacks: list
     # The resumed trainer's counters (skipped steps), from the checkpoint's metadata.json.
     trainer_state: dict = field(default_factory=dict)
+    # The output folder's lock (fv_accel.output_dir), held by the main process until the run ends.
+    output_lock: Any = None
 
     def __iter__(self) -> Iterator[Any]:
         # `method, dataloader, start_step = build_from_config(...)`
@@ -314,27 +316,33 @@ def build_from_config(
     from accelerate.utils import set_seed
 
     from fv_accel.checkpoint import (
-        check_fresh_output_dir,
         check_resume_compatible,
         load_checkpoint,
         read_metadata,
         resolve_resume,
+        resumed_trainer_state,
+        verify_resume_checkpoint,
     )
     from fv_accel.data.loader import build_train_loader
+    from fv_accel.ema import check_ema_supported
     from fv_accel.methods import METHODS
     from fv_accel.models import build_student
     from fv_accel.optim import build_lr_scheduler, build_optimizer
+    from fv_accel.output_dir import check_output_dir, claim_output_dir
 
     cfg = path_or_dict if isinstance(path_or_dict, RunConfig) else load_config(path_or_dict, overrides)
     # Everything that can be wrong with the recipe, the data or the output folder is checked before
     # anything is written to the output folder.
     ck = cfg.training.checkpoint
     resume = resolve_resume(ck.output_dir, ck.resume_from_checkpoint)
-    if resume is None:
-        check_fresh_output_dir(ck.output_dir)
+    latest = ck.resume_from_checkpoint == "latest"
+    check_output_dir(ck.output_dir, resume, overwrite=ck.overwrite_output_dir, latest=latest, warn=False)
     resume_meta = read_metadata(resume) if resume is not None else None
     acc = accelerator or build_accelerator(cfg)
     logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    check_ema_supported(cfg, acc)
+    if resume is not None:
+        verify_resume_checkpoint(acc, resume, resume_meta)
     data_path = resolve_data_path(cfg, acc)
     from fv_accel.user_data import follow_user_data
 
@@ -356,8 +364,7 @@ def build_from_config(
     )
     check_data_fits_model(loader.dataset, student, method)
     check_latent_stats(student, cfg, data_path)
-    if resume_meta is not None:
-        check_resume_compatible(resume_meta, method, cfg, resume)
+    changes = check_resume_compatible(resume_meta, method, cfg, resume) if resume_meta is not None else []
     if acc.is_main_process:
         logger.info(
             "method %s | student %s | training shift %.3g (models.student.flow_shift) | sampling shift %.3g "
@@ -375,17 +382,28 @@ def build_from_config(
     student.transformer, method.optimizer, method.lr_scheduler = acc.prepare(
         student.transformer, method.optimizer, method.lr_scheduler
     )
-    acc.init_trackers(cfg.training.tracker.project_name, config=_flat_hparams(cfg), init_kwargs=tracker_init_kwargs(cfg))
-    if heldout_rows and acc.is_main_process:
-        logger.info("%d training row(s) held out for validation (callbacks.validation.heldout_fraction)", len(heldout_rows))
-    # Built-in callbacks first: checkpoints key callback state by position.
-    all_callbacks = build_callbacks(cfg, data_path, acc) + list(callbacks or [])
-    run = BuiltRun(method=method, dataloader=loader, start_step=0, accelerator=acc, config=cfg, callbacks=all_callbacks)
-    if resume is not None:
-        from fv_accel.trainer import Trainer
+    # Nothing is written to the output folder before this: its lock, and under it the last checks.
+    lock = claim_output_dir(acc, cfg, resume)
+    try:
+        if heldout_rows and acc.is_main_process:
+            logger.info("%d training row(s) held out for validation (callbacks.validation.heldout_fraction)", len(heldout_rows))
+        # Built-in callbacks first: checkpoints key callback state by position.
+        all_callbacks = build_callbacks(cfg, data_path, acc) + list(callbacks or [])
+        run = BuiltRun(
+            method=method, dataloader=loader, start_step=0, accelerator=acc, config=cfg, callbacks=all_callbacks,
+            output_lock=lock,
+        )
+        if resume is not None:
+            from fv_accel.trainer import Trainer
 
-        run.start_step = load_checkpoint(Trainer(run), resume)
-        run.trainer_state = dict(resume_meta.get("trainer") or {})
-        if acc.is_main_process:
-            logger.info("resumed from %s at step %d", resume, run.start_step)
+            run.start_step = load_checkpoint(Trainer(run), resume)
+            run.trainer_state = resumed_trainer_state(resume_meta, changes)
+            if acc.is_main_process:
+                logger.info("resumed from %s at step %d", resume, run.start_step)
+        acc.init_trackers(cfg.training.tracker.project_name, config=_flat_hparams(cfg), init_kwargs=tracker_init_kwargs(cfg))
+    except BaseException:
+        for tracker in acc.trackers:
+            tracker.finish()
+        lock.release(remove_created_dir=True)
+        raise
     return run

@@ -1,21 +1,29 @@
-"""Training-state checkpoints: `output_dir/checkpoint-<step>/`, written atomically, resumed exactly.
+"""Training-state checkpoints: `output_dir/checkpoint-<step>/`, written atomically, verified, resumed exactly.
 
 A checkpoint holds what Accelerate's `save_state` writes (model or adapter as safetensors,
 optimizer and LR scheduler), plus, per rank, one `fv_rank_<i>.safetensors` with the Python, NumPy,
-torch (and CUDA) RNG states, the method's generator and the callbacks' tensors (EMA), and a
-`metadata.json` (step, epoch, data position, resolved config, package versions).
+torch (and CUDA) RNG states, the method's generator and the callbacks' per-rank tensors, the
+callbacks' own files (the EMA: one `ema.safetensors` of full tensors), and a `metadata.json`
+(step, epoch, data position, resolved config, the optimizer settings that ran, package versions,
+and the size and sha256 of every other file).
 
 Safety: nothing here is unpickled. Accelerate pickles its RNG states (`random_states_<i>.pkl`); we
 delete that file after `save_state` and restore the RNG from our safetensors instead. The optimizer
 and scheduler `.bin` files are loaded by Accelerate with `torch.load(weights_only=True)`.
 
 Atomicity: everything is written into `.checkpoint-<step>.partial/` and renamed into place once
-complete, then the `latest` pointer is replaced. A crash mid-save leaves the previous checkpoint
-intact, and `latest` only ever names a complete one.
+complete, then the `latest` pointer is replaced. A failed save removes its partial folder and leaves
+the previous checkpoint as `latest`; a killed one leaves the folder, removed at the next start.
+
+Integrity: `metadata.json` is written last and records each file's size and sha256 (streamed).
+A resume checks them before anything else, and any damage is one line naming the file and the
+newest complete checkpoint before it.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import os
@@ -37,22 +45,18 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 METADATA_NAME = "metadata.json"
 LATEST_NAME = "latest"
 FORMAT_NAME = "fv_accel-checkpoint"
-FORMAT_VERSION = 1
+# 2: per-file sizes and sha256 ("files"), the optimizer settings that ran, the EMA in one file.
+FORMAT_VERSION = 2
 # Accelerate's pickled RNG file (accelerate.utils.RNG_STATE_NAME).
 ACCELERATE_RNG_FILE = "random_states_{rank}.pkl"
 PACKAGES = ("fv_accel", "torch", "accelerate", "diffusers", "transformers", "peft", "safetensors", "datasets", "numpy")
-# Settings that change the run but not the loss formula: resuming with a new value only warns.
-WARN_ON_CHANGE = (
-    "training.optimizer.learning_rate",
-    "training.optimizer.lr_warmup_steps",
-    "training.optimizer.lr_num_cycles",
-    "training.optimizer.lr_power",
-    "training.optimizer.min_lr_ratio",
-    "training.loop.gradient_accumulation_steps",
-    "training.loop.noise_rng",
-    "training.data.train_batch_size",
-    "training.data.seed",
-)
+# Recipe sections that say where to write, what to keep and what to log, not what to train:
+# a new value there is no recipe change.
+RESUME_BOOKKEEPING = ("training.checkpoint.", "training.tracker.")
+# metadata.json keys a resume reads, with their types.
+REQUIRED_METADATA = {"step": int, "epoch": int, "data": dict, "accelerator_step": int, "config": dict, "math": dict}
+REQUIRED_DATA_POSITION = ("epoch", "step_in_epoch")
+HASH_CHUNK = 4 << 20
 
 
 class CheckpointError(ValueError):
@@ -65,21 +69,22 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_step(path: Path) -> Optional[int]:
-    m = CHECKPOINT_RE.match(path.name)
+    m = CHECKPOINT_RE.match(Path(path).name)
     return int(m.group(1)) if m else None
+
+
+def checkpoint_folders(output_dir: str | Path) -> list[Path]:
+    """Every `checkpoint-<step>` folder, complete or not, oldest step first."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [(checkpoint_step(p), p) for p in out.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
+    return [p for _, p in sorted(found)]
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints (a `checkpoint-<step>` folder with its metadata), oldest step first."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    found = []
-    for p in out.iterdir():
-        step = checkpoint_step(p)
-        if step is not None and p.is_dir() and (p / METADATA_NAME).is_file():
-            found.append((step, p))
-    return [p for _, p in sorted(found)]
+    return [p for p in checkpoint_folders(output_dir) if (p / METADATA_NAME).is_file()]
 
 
 def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
@@ -94,13 +99,40 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
+def _latest_target(out: Path) -> Optional[Path]:
+    """What `latest` means, skipping nothing: the folder the pointer names, else the newest
+    `checkpoint-<step>` folder (complete or not: a damaged one is reported, not passed over)."""
+    pointer = out / LATEST_NAME
+    folders = checkpoint_folders(out)
+    if not pointer.is_file():
+        return folders[-1] if folders else None
+    name = pointer.read_text(encoding="utf-8").strip()
+    named = out / name
+    if checkpoint_step(named) is None:
+        raise damaged_checkpoint_error(named, f"{pointer} names '{name}', not a checkpoint-<step> folder")
+    newer = [p for p in folders if checkpoint_step(p) > checkpoint_step(named) and (p / METADATA_NAME).is_file()]
+    if newer:
+        # A save published its folder but was stopped before it moved the pointer.
+        logger.warning(
+            "%s names %s, but %s is newer: its save was interrupted before the pointer moved; "
+            "resuming from %s (pass --resume_from_checkpoint %s to take the newer one)",
+            pointer, name, newer[-1].name, name, newer[-1],
+        )
+    return named
+
+
 def resolve_resume(output_dir: str | Path, resume: str) -> Optional[Path]:
     """`training.checkpoint.resume_from_checkpoint`: "" (fresh), "latest" (None if there is none
-    yet, so a preemptible job can always pass it) or a checkpoint folder."""
+    yet, so a preemptible job can always pass it) or a checkpoint folder. The folder's metadata and
+    file list are checked here (sizes; the checksums by `verify_resume_checkpoint`)."""
     if not resume:
         return None
     if resume == "latest":
-        return latest_checkpoint(output_dir)
+        target = _latest_target(Path(output_dir))
+        if target is None:
+            return None
+        check_checkpoint(target)
+        return target
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(
@@ -112,69 +144,267 @@ def resolve_resume(output_dir: str | Path, resume: str) -> Optional[Path]:
             f"training.checkpoint.resume_from_checkpoint: '{resume}' has no {METADATA_NAME}; "
             f"it is not a complete fv_accel checkpoint"
         )
+    check_checkpoint(path)
     return path
 
 
-def check_fresh_output_dir(output_dir: str | Path) -> None:
-    """A fresh run must not mix its checkpoints with another run's."""
-    found = list_checkpoints(output_dir)
-    if found:
-        names = ", ".join(p.name for p in found[-3:])
-        raise CheckpointError(
-            f"training.checkpoint.output_dir: '{output_dir}' already holds checkpoints of another run "
-            f"({names}); resume it with --resume_from_checkpoint latest, or choose a new output_dir"
-        )
+# --------------------------------------------------------------------------------------------
+# Integrity: metadata keys, file sizes, sha256
+# --------------------------------------------------------------------------------------------
 
 
-def read_metadata(ckpt: str | Path) -> dict:
-    path = Path(ckpt) / METADATA_NAME
+def _metadata_problem(ckpt: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(metadata, None) or (None, what is wrong with metadata.json), naming the file."""
+    path = ckpt / METADATA_NAME
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{ckpt}: no {METADATA_NAME}; not a complete fv_accel checkpoint") from None
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
-    if meta.get("format") != FORMAT_NAME or "step" not in meta:
-        raise CheckpointError(f"{path}: not an fv_accel checkpoint (expected format '{FORMAT_NAME}' and a step)")
+        return None, f"{ckpt}: no {METADATA_NAME}; not a complete fv_accel checkpoint"
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return None, f"{path}: not valid JSON ({err})"
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME or "step" not in meta:
+        return None, f"{path}: not an fv_accel checkpoint (expected format '{FORMAT_NAME}' and a step)"
+    for key, kind in REQUIRED_METADATA.items():
+        if key not in meta:
+            return None, f"{path}: missing key '{key}'"
+        if not isinstance(meta[key], kind) or isinstance(meta[key], bool):
+            return None, f"{path}: key '{key}' is {meta[key]!r}, expected {'an integer' if kind is int else 'a mapping'}"
+    for key in REQUIRED_DATA_POSITION:
+        if not isinstance(meta["data"].get(key), int):
+            return None, f"{path}: key 'data.{key}' is missing or not an integer"
+    named = checkpoint_step(ckpt)
+    if named is not None and meta["step"] != named:
+        return None, f"{path}: step {meta['step']}, but the folder is {ckpt.name} (step {named})"
+    return meta, None
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_records(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file of a checkpoint but its metadata.json, by relative path."""
+    records = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel != METADATA_NAME:
+            records[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return records
+
+
+def _files_problem(ckpt: Path, meta: dict, *, hashes: bool) -> Optional[str]:
+    """What is wrong with the files metadata.json lists (missing, resized, changed), or None."""
+    files = meta.get("files")
+    if files is None:
+        return None  # saved before checksums were recorded
+    for rel, rec in files.items():
+        path = ckpt / rel
+        if not path.is_file():
+            return f"{path}: missing (listed in {METADATA_NAME})"
+        size = path.stat().st_size
+        if size != rec["bytes"]:
+            return f"{path}: {size} bytes, but {METADATA_NAME} records {rec['bytes']} (truncated or overwritten)"
+    if hashes:
+        for rel, rec in files.items():
+            got = sha256_file(ckpt / rel)
+            if got != rec["sha256"]:
+                return (
+                    f"{ckpt / rel}: sha256 {got[:16]}... differs from the {rec['sha256'][:16]}... recorded in "
+                    f"{METADATA_NAME} (the file changed after it was saved)"
+                )
+    return None
+
+
+def _previous_complete(ckpt: Path) -> Optional[Path]:
+    """The newest checkpoint before `ckpt` in its output folder whose metadata and file sizes are whole."""
+    step = checkpoint_step(ckpt)
+    if step is None:
+        return None
+    for older in reversed(checkpoint_folders(ckpt.parent)):
+        if checkpoint_step(older) < step:
+            meta, problem = _metadata_problem(older)
+            if problem is None and _files_problem(older, meta, hashes=False) is None:
+                return older
+    return None
+
+
+def damaged_checkpoint_error(ckpt: Path, problem: str) -> CheckpointError:
+    """One line: what is wrong, and the newest complete checkpoint before this one."""
+    previous = _previous_complete(ckpt)
+    if previous is not None:
+        hint = f"the newest complete checkpoint before it is {previous}: resume with --resume_from_checkpoint {previous}"
+    elif checkpoint_step(ckpt) is not None:
+        hint = f"there is no complete checkpoint before it in {ckpt.parent}"
+    else:
+        hint = "resume from another checkpoint"
+    return CheckpointError(f"cannot resume from {ckpt}: {problem}; {hint}")
+
+
+def check_checkpoint(ckpt: Path) -> dict:
+    """metadata.json complete, and every file it lists present at its recorded size; returns the metadata."""
+    meta, problem = _metadata_problem(ckpt)
+    if problem is None:
+        problem = _files_problem(ckpt, meta, hashes=False)
+    if problem is not None:
+        raise damaged_checkpoint_error(ckpt, problem)
     return meta
 
 
-def _dotted(tree: dict, key: str) -> Any:
-    node: Any = tree
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
+def read_metadata(ckpt: str | Path) -> dict:
+    meta, problem = _metadata_problem(Path(ckpt))
+    if problem is not None:
+        raise CheckpointError(problem)
+    return meta
 
 
-def check_resume_compatible(meta: dict, method: Any, cfg: Any, ckpt: str | Path) -> list[str]:
-    """Compare the checkpoint's recipe with the current one. A change to the method's math
-    (method.*, models.*: method, chunk size, shift, timestep range) is refused unless
-    `training.checkpoint.allow_recipe_change`; a change to the schedule or data order warns.
-    Returns the differences found ("key: old -> new")."""
+def agree_on_error(acc: Any, message: Optional[str]) -> Optional[str]:
+    """Every rank gets the first rank's error message (None when all succeeded), so that all of them
+    stop together instead of some waiting at the next collective."""
+    if acc.num_processes == 1:
+        return message
+    from accelerate.utils import gather_object
+
+    return next((m for m in gather_object([message]) if m), None)
+
+
+def verify_resume_checkpoint(acc: Any, ckpt: Path, meta: dict) -> None:
+    """The main process hashes every file the checkpoint lists (streamed); all ranks get the verdict."""
+    problem = None
+    if acc.is_main_process:
+        if "files" not in meta:
+            logger.warning("%s records no checksums (saved by fv_accel before format 2): its files are not verified", ckpt)
+        else:
+            problem = _files_problem(ckpt, meta, hashes=True)
+    problem = agree_on_error(acc, problem)
+    if problem is not None:
+        raise damaged_checkpoint_error(ckpt, problem)
+
+
+# --------------------------------------------------------------------------------------------
+# Resuming with a changed recipe
+# --------------------------------------------------------------------------------------------
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        flat: dict[str, Any] = {}
+        for key, value in tree.items():
+            flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {prefix: tree}
+
+
+def recipe_changes(meta: dict, method: Any, cfg: Any) -> tuple[list[str], list[dict]]:
+    """(changes to the method's math, every change) between the checkpoint's recipe and this one.
+    Each change is `{"key", "old", "new"}`; values go through JSON so tuples and lists, ints and
+    floats compare as they were stored."""
     old_math = meta.get("math") or {}
-    # Through JSON so tuples/lists and ints/floats compare as they were stored.
     new_math = json.loads(json.dumps(method.math_signature(), default=str))
-    refused, warned = [], []
+    old_cfg = _flatten(meta.get("config") or {})
+    new_cfg = _flatten(json.loads(json.dumps(cfg.to_dict(), default=str)))
+    math_lines, changes = [], []
     for key in sorted(set(old_math) | set(new_math)):
         old, new = old_math.get(key), new_math.get(key)
         if old != new:
-            line = f"{key}: {old!r} in the checkpoint, {new!r} now"
-            (refused if key.startswith(("method.", "models.")) else warned).append(line)
-    old_cfg, new_cfg = meta.get("config") or {}, json.loads(json.dumps(cfg.to_dict(), default=str))
-    for key in WARN_ON_CHANGE:
-        old, new = _dotted(old_cfg, key), _dotted(new_cfg, key)
-        if old is not None and old != new:
-            warned.append(f"{key}: {old!r} in the checkpoint, {new!r} now")
-    if refused and not cfg.training.checkpoint.allow_recipe_change:
+            changes.append({"key": key, "old": old, "new": new})
+            if key.startswith(("method.", "models.")):
+                math_lines.append(f"{key}: {old!r} in the checkpoint, {new!r} now")
+    for key in sorted(set(old_cfg) | set(new_cfg)):
+        if key in new_math or key in old_math or key.startswith(RESUME_BOOKKEEPING):
+            continue
+        old, new = old_cfg.get(key), new_cfg.get(key)
+        if old != new:
+            changes.append({"key": key, "old": old, "new": new})
+    return math_lines, changes
+
+
+def check_resume_compatible(meta: dict, method: Any, cfg: Any, ckpt: str | Path) -> list[dict]:
+    """Compare the checkpoint's recipe with the current one. A change to the method's math
+    (method name, chunk size, shift, timestep range) is refused unless
+    `training.checkpoint.allow_recipe_change`. Every other change takes effect from the next step:
+    the loop, loader and callbacks are built from this recipe, and `apply_optimizer_recipe` puts
+    its learning rate, schedule and AdamW settings into the restored optimizer and LR scheduler.
+    Returns the changes (`{"key", "old", "new"}`), which the next checkpoints record."""
+    math_lines, changes = recipe_changes(meta, method, cfg)
+    if math_lines and not cfg.training.checkpoint.allow_recipe_change:
         raise CheckpointError(
-            f"cannot resume from {ckpt}: the recipe changes the training math ({'; '.join(refused)}); "
+            f"cannot resume from {ckpt}: the recipe changes the training math ({'; '.join(math_lines)}); "
             f"resume with the checkpoint's values, or set training.checkpoint.allow_recipe_change: true"
         )
-    for line in refused + warned:
-        logger.warning("resuming from %s with a changed recipe: %s", ckpt, line)
-    return refused + warned
+    for change in changes:
+        logger.warning(
+            "resuming from %s with a changed recipe: %s: %r in the checkpoint, %r now; it takes effect from step %d",
+            ckpt, change["key"], change["old"], change["new"], int(meta["step"]) + 1,
+        )
+    return changes
+
+
+def resumed_trainer_state(meta: dict, changes: list[dict]) -> dict:
+    """The trainer's counters from the checkpoint, with this resume's recipe changes appended to
+    the run's record of them (`recipe_changes`: step, key, old and new value)."""
+    state = dict(meta.get("trainer") or {})
+    step = int(meta["step"])
+    state["recipe_changes"] = list(state.get("recipe_changes") or []) + [{"step": step, **c} for c in changes]
+    return state
+
+
+def _inner_scheduler(lr_scheduler: Any) -> Any:
+    # Accelerate's AcceleratedScheduler (and its DeepSpeed wrapper) keep the torch scheduler here.
+    return getattr(lr_scheduler, "scheduler", lr_scheduler)
+
+
+def apply_optimizer_recipe(optimizer: Any, lr_scheduler: Any, cfg: Any) -> None:
+    """Make the restored optimizer and LR schedule follow this recipe: the saved state brings back
+    the moments and the step count, and with them the old learning rate (the scheduler's
+    `base_lrs`, the param groups' `initial_lr` and `lr`) and AdamW settings. The schedule's shape
+    (warm-up, length, cycles) already comes from this recipe: diffusers builds it as a function,
+    which no state dict holds. With an unchanged recipe this rewrites the same values."""
+    opt = cfg.training.optimizer
+    groups = optimizer.param_groups
+    for group in groups:
+        group["initial_lr"] = opt.learning_rate
+        group["betas"] = tuple(opt.betas)
+        group["eps"] = opt.eps
+        group["weight_decay"] = opt.weight_decay
+    sched = _inner_scheduler(lr_scheduler)
+    lambdas = getattr(sched, "lr_lambdas", None)
+    if lambdas is None:
+        raise CheckpointError(
+            f"cannot apply training.optimizer to the resumed LR scheduler {type(sched).__name__} "
+            "(expected diffusers' LambdaLR)"
+        )
+    sched.base_lrs = [opt.learning_rate] * len(groups)
+    lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, lambdas)]
+    for group, lr in zip(groups, lrs):
+        group["lr"] = lr
+    sched._last_lr = list(lrs)
+
+
+def optimizer_record(optimizer: Any, lr_scheduler: Any) -> dict:
+    """The learning rate and AdamW settings in effect, read from the optimizer and scheduler."""
+
+    def num(v: Any) -> Any:
+        return float(v) if isinstance(v, (int, float, torch.Tensor)) else v
+
+    sched = _inner_scheduler(lr_scheduler)
+    return {
+        "base_lrs": [num(v) for v in getattr(sched, "base_lrs", [])],
+        "scheduler_steps": getattr(sched, "last_epoch", None),
+        "param_groups": [
+            {
+                "lr": num(g.get("lr")),
+                "initial_lr": num(g.get("initial_lr")),
+                "betas": [num(b) for b in g.get("betas", ())],
+                "eps": num(g.get("eps")),
+                "weight_decay": num(g.get("weight_decay")),
+            }
+            for g in optimizer.param_groups
+        ],
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,6 +491,7 @@ def build_metadata(trainer: Any, step: int) -> dict:
         "world_size": acc.num_processes,
         "math": trainer.method.math_signature(),
         "config": trainer.config.to_dict(),
+        "optimizer": optimizer_record(trainer.method.optimizer, trainer.method.lr_scheduler),
         "versions": package_versions(),
     }
 
@@ -323,26 +554,133 @@ def _prune(out: Path, limit: int, current_step: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Remove what a killed save left (`.checkpoint-<step>.partial/`, `.checkpoint-<step>.old/`,
+    `.latest.tmp`). Only the holder of the output folder's lock may call this: another run's save
+    in progress looks the same."""
+    stale = sorted([*out.glob(".checkpoint-*.partial"), *out.glob(".checkpoint-*.old"), *out.glob(f".{LATEST_NAME}.tmp")])
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return stale
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def estimate_checkpoint_bytes(trainer: Any, out: Path) -> tuple[int, str]:
+    """(bytes, what the estimate is based on) of the next checkpoint: the size of the latest one,
+    else the trainable weights, AdamW's two fp32 moments and the callbacks' state (EMA)."""
+    previous = latest_checkpoint(out)
+    if previous is not None:
+        return folder_bytes(previous), f"the size of {previous.name}"
+    params = trainer.method.student.trainable_parameters()
+    weights = sum(p.numel() * p.element_size() for p in params)
+    moments = 8 * sum(p.numel() for p in params)
+    return weights + moments + trainer.callback_checkpoint_bytes(), "the trainable weights, AdamW's moments and the EMA"
+
+
+def _names_full_disk(err: BaseException) -> bool:
+    seen = set()
+    current: Optional[BaseException] = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(current) or "Disk quota exceeded" in str(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def out_of_space_error(err: BaseException, folder: Path, needed: int, basis: str, what: str) -> Optional[CheckpointError]:
+    """A one-line error naming the folder and the space needed when `err` (a failed write of `what`)
+    was the disk filling up: the error says so (ENOSPC, a quota), or less than `needed` is free.
+    torch's own writer reports a full disk only as `[enforce fail at inline_container.cc] unexpected pos`."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    if not _names_full_disk(err) and free >= needed:
+        return None
+    if free < needed:
+        space = f"{format_bytes(free)} free, about {format_bytes(needed)} needed ({basis})"
+    else:  # the disk filled up although the estimate fitted
+        space = f"{format_bytes(free)} free, more than that needed (estimated at {format_bytes(needed)}: {basis})"
+    cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return CheckpointError(
+        f"not enough disk space to write {what} in {folder}: {space}; free some space or move "
+        f"training.checkpoint.output_dir ({type(err).__name__}: {cause})"
+    )
+
+
 def save_checkpoint(trainer: Any, step: int) -> Path:
+    """Write `checkpoint-<step>` (every rank takes part). A failure on any rank removes the partial
+    folder and raises on every rank; the previous checkpoint stays `latest`."""
     acc = trainer.accelerator
     ck = trainer.config.training.checkpoint
     out = Path(ck.output_dir)
     final = out / f"checkpoint-{step}"
     tmp = out / f".checkpoint-{step}.partial"
+    needed, basis = estimate_checkpoint_bytes(trainer, out)
+    previous = latest_checkpoint(out)
+    kept = f"{previous.name} stays the latest checkpoint" if previous is not None else "no checkpoint was written"
+    problem = None
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        for stale in out.glob(".checkpoint-*.partial"):  # left by a save that crashed
-            shutil.rmtree(stale, ignore_errors=True)
-    acc.wait_for_everyone()
-    acc.save_state(str(tmp), safe_serialization=True)
-    (tmp / ACCELERATE_RNG_FILE.format(rank=acc.process_index)).unlink(missing_ok=True)
-    write_rank_state(trainer, rank_state_file(tmp, acc.process_index))
-    acc.wait_for_everyone()
+        remove_stale_partials(out)
+        free = shutil.disk_usage(out).free
+        if free < needed:
+            problem = (
+                f"not enough disk space to write {final.name} in {out}: {format_bytes(free)} free, about "
+                f"{format_bytes(needed)} needed ({basis}); free some space or move training.checkpoint.output_dir; {kept}"
+            )
+    problem = agree_on_error(acc, problem)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+    failure: Optional[BaseException] = None
+    problem = None
+    try:
+        acc.save_state(str(tmp), safe_serialization=True)
+        (tmp / ACCELERATE_RNG_FILE.format(rank=acc.process_index)).unlink(missing_ok=True)
+        write_rank_state(trainer, rank_state_file(tmp, acc.process_index))
+        trainer.write_checkpoint_files(tmp)
+    except Exception as err:  # noqa: BLE001 - reported below, on every rank
+        failure, problem = err, f"rank {acc.process_index} could not write {tmp}: {type(err).__name__}: {err}"
+    problem = agree_on_error(acc, problem)
+    if problem is None and acc.is_main_process:
+        try:
+            meta = build_metadata(trainer, step)
+            meta["files"] = file_records(tmp)  # after every other file, before the rename
+            write_metadata(tmp / METADATA_NAME, meta)
+            _fsync_tree(tmp)
+            _publish(tmp, final)
+            _point_latest(out, final)
+        except Exception as err:  # noqa: BLE001
+            failure, problem = err, f"could not finish {tmp}: {type(err).__name__}: {err}"
+    problem = agree_on_error(acc, problem)
+    if problem is not None:
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failure is None:
+            raise CheckpointError(f"{final.name} was not written: {problem}; {kept}")
+        space = out_of_space_error(failure, out, needed, basis, final.name)
+        if space is not None:
+            raise CheckpointError(f"{space}; {kept}") from failure
+        raise failure
     if acc.is_main_process:
-        write_metadata(tmp / METADATA_NAME, build_metadata(trainer, step))
-        _fsync_tree(tmp)
-        _publish(tmp, final)
-        _point_latest(out, final)
         _prune(out, ck.checkpoints_total_limit, step)
         logger.info("saved checkpoint %s", final)
     acc.wait_for_everyone()
@@ -355,8 +693,9 @@ def save_checkpoint(trainer: Any, step: int) -> Path:
 
 
 def load_checkpoint(trainer: Any, ckpt: Path) -> int:
-    """Restore model, optimizer, LR schedule, RNG states, callbacks' tensors and data position.
-    Returns the step to continue from; the trainer's counters are in `read_metadata(ckpt)["trainer"]`."""
+    """Restore model, optimizer, LR schedule, RNG states, callbacks' state and data position, and
+    put this recipe's optimizer settings into effect. Returns the step to continue from; the
+    trainer's counters are in `read_metadata(ckpt)["trainer"]`."""
     acc = trainer.accelerator
     ckpt = Path(ckpt)
     meta = read_metadata(ckpt)
@@ -364,7 +703,17 @@ def load_checkpoint(trainer: Any, ckpt: Path) -> int:
     if stray:
         # Not written by us; Accelerate still loads them only with weights_only=True.
         logger.warning("%s holds pickle file(s) %s; they are loaded with weights_only=True only", ckpt, stray)
-    acc.load_state(str(ckpt), load_kwargs={"weights_only": True})
+    try:
+        acc.load_state(str(ckpt), load_kwargs={"weights_only": True})
+    except Exception as err:  # noqa: BLE001 - one line naming the checkpoint
+        raise damaged_checkpoint_error(ckpt, f"{type(err).__name__} while loading: {str(err).strip().splitlines()[0]}") from err
+    step = int(meta["step"])
+    scheduler_steps = getattr(_inner_scheduler(trainer.method.lr_scheduler), "last_epoch", step)
+    if scheduler_steps != step:
+        raise damaged_checkpoint_error(
+            ckpt, f"{ckpt / METADATA_NAME} says step {step}, but its LR scheduler state has taken {scheduler_steps} steps"
+        )
+    apply_optimizer_recipe(trainer.method.optimizer, trainer.method.lr_scheduler, trainer.config)
     acc.step = int(meta.get("accelerator_step", 0))
     state_file = rank_state_file(ckpt, acc.process_index)
     if state_file.is_file():
@@ -380,5 +729,6 @@ def load_checkpoint(trainer: Any, ckpt: Path) -> int:
             meta.get("world_size"),
             acc.num_processes,
         )
+    trainer.read_checkpoint_files(ckpt)
     trainer.dataloader.load_state_dict(meta["data"])
-    return int(meta["step"])
+    return step

@@ -6,7 +6,7 @@ import sys
 from typing import Optional
 
 from fv_accel.config import ConfigError, parse_cli
-from fv_accel.process import exit_without_teardown
+from fv_accel.process import exit_without_teardown, needs_exit_without_teardown
 
 
 def main(method: str, argv: Optional[list[str]] = None) -> int:
@@ -28,22 +28,27 @@ def main(method: str, argv: Optional[list[str]] = None) -> int:
         # Building reads the recipe's inputs (data, model, checkpoint): its errors are input
         # errors, each one line naming the file/key (build_from_config from Python keeps the traceback).
         print(f"error: {err}", file=sys.stderr)
+        if needs_exit_without_teardown():  # refused after the process group was set up
+            exit_without_teardown(2)
         return 2
-    distributed = run.accelerator.num_processes > 1
+    # Only gloo with several processes can deadlock in the interpreter's teardown: end those runs
+    # with os._exit once everything is written. Elsewhere an unexpected error propagates as usual.
+    hard_exit = needs_exit_without_teardown(run.accelerator)
     try:
         Trainer(run).run()
         code = 0
-    except TrainingStopped as err:
+    except (TrainingStopped, CheckpointError) as err:
+        # A fault policy stop, or a checkpoint that could not be written (a full disk): one line.
         print(f"error: {err}", file=sys.stderr)
         code = 1
     except Exception:
-        if not distributed:
+        if not hard_exit:
             raise
         import traceback
 
         traceback.print_exc()
         code = 1
-    if distributed:
+    if hard_exit:
         # `run` stays referenced until the process ends: freeing it here is what can deadlock.
         exit_without_teardown(code)
     return code

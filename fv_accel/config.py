@@ -154,6 +154,9 @@ class CheckpointConfig:
     save_final: bool = True
     # Resuming with a recipe that changes the math (method, chunk size, shift) is refused unless set.
     allow_recipe_change: bool = False
+    # A fresh run into a folder holding another run's outputs is refused unless set; then those
+    # outputs (checkpoints, weights, logs, samples, plots) are deleted first.
+    overwrite_output_dir: bool = False
 
 
 @dataclass

@@ -4,10 +4,13 @@
 
 The shadow is fp32 whatever the training dtype, on the weights' device or on the CPU
 (`callbacks.ema.device: cpu`, which saves accelerator memory at the cost of a copy per step).
-Under FSDP2 each rank keeps the EMA of its own shard. The shadow is saved per rank in the
-training-state checkpoints (so a resumed run continues it exactly), used for validation samples
+Under FSDP2 each rank keeps the EMA of its own shard. Checkpoints hold one copy of the whole
+average, `ema.safetensors` (full tensors, written by the main process; FSDP2 shards are gathered
+first), so a resumed run continues it exactly on any number of processes: each rank takes its
+shard of the full tensors back. It is also used for validation samples
 (`callbacks.validation.use_ema`) and exported beside the raw weights at the end of the run
-(`<output_dir>/ema/`, written by the student as its own final weights are).
+(`<output_dir>/ema/`, written by the student as its own final weights are). DeepSpeed ZeRO-3 keeps
+parameters outside the modules: the EMA is refused there when the recipe is checked.
 
 diffusers' `EMAModel` caps the decay with a warm-up `(1 + n) / (10 + n)` and keeps the shadow
 on the weights' device and dtype; this class keeps the plain formula, an fp32 shadow and an
@@ -22,15 +25,61 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from fv_accel.config import ConfigError
 from fv_accel.trainer import TrainerCallback
 
 logger = logging.getLogger(__name__)
+
+# The EMA's file in a checkpoint folder: full fp32 tensors `shadow.<i>` (i: the trainable
+# parameter's position), with `num_updates` in the file's metadata.
+EMA_FILE = "ema.safetensors"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter (a DTensor shard under FSDP2; the tensor itself otherwise)."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full_tensor(shard: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of which `shard` is this rank's part, laid out like `param` (an all-gather
+    over the device mesh for a DTensor parameter: every rank must call it)."""
+    if not hasattr(param, "to_local"):
+        return shard
+    from torch.distributed.tensor import DTensor
+
+    local = shard.to(device=param.to_local().device)
+    whole = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+    return whole.full_tensor()
+
+
+def _shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full`, laid out like `param` (sliced locally, no communication)."""
+    if not hasattr(param, "to_local"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    device = param.to_local().device
+    return distribute_tensor(full.to(device), param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+
+def check_ema_supported(cfg, accelerator) -> None:
+    """Refuse `callbacks.ema` under DeepSpeed ZeRO-3 before the engine is built: ZeRO-3 partitions
+    every parameter outside the module (`ds_tensor`), so there is no weight here to average."""
+    from accelerate.utils import DistributedType
+
+    if not cfg.callbacks.ema.enable or accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    ds_config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None) or {}
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if stage == 3:
+        raise ConfigError(
+            "callbacks.ema.enable: the EMA is not supported under DeepSpeed ZeRO-3 (zero_optimization.stage 3 "
+            "in the launch config: parameters are partitioned outside the model); use FSDP2 "
+            "(accelerate_configs/fsdp2.yaml) or ZeRO-2, or set callbacks.ema.enable: false"
+        )
 
 
 class EmaWeights:
@@ -74,6 +123,33 @@ class EmaWeights:
         out["num_updates"] = torch.tensor([self.num_updates], dtype=torch.int64)
         return out
 
+    def write_file(self, path: Path, *, is_main_process: bool) -> None:
+        """One file of full fp32 tensors, written by the main process (every rank must call this:
+        sharded parameters are gathered)."""
+        tensors = {}
+        for i, (s, p) in enumerate(zip(self.shadow, self.params)):
+            full = _full_tensor(s.detach(), p)
+            if is_main_process:
+                tensors[f"shadow.{i}"] = full.to(device="cpu", dtype=torch.float32).contiguous()
+        if is_main_process:
+            save_file(tensors, str(path), metadata={"num_updates": str(self.num_updates)})
+
+    def load_file(self, path: Path) -> None:
+        """Take this rank's part of each full tensor of a `write_file` file (any process count)."""
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            count = sum(1 for k in fh.keys() if k.startswith("shadow."))
+            if count != len(self.shadow):
+                raise ValueError(
+                    f"{path}: holds {count} EMA tensors but the student has {len(self.shadow)} trainable "
+                    "parameters (was it saved with a different model or LoRA setting?)"
+                )
+            for i, (s, p) in enumerate(zip(self.shadow, self.params)):
+                full = fh.get_tensor(f"shadow.{i}")
+                if tuple(full.shape) != tuple(p.shape):
+                    raise ValueError(f"{path}: EMA tensor {i} has shape {tuple(full.shape)}, the parameter {tuple(p.shape)}")
+                s.copy_(_shard_of(full, p).to(device=s.device, dtype=torch.float32))
+            self.num_updates = int((fh.metadata() or {}).get("num_updates", 0))
+
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         count = sum(1 for k in tensors if k.startswith("shadow."))
         if count != len(self.shadow):
@@ -107,7 +183,7 @@ class EmaCallback(TrainerCallback):
     def _build(self, trainer) -> EmaWeights:
         params = trainer.method.student.trainable_parameters()
         if any(hasattr(p, "ds_tensor") for p in params):
-            # ZeRO-3 keeps each parameter's shard outside `p.data`: there is nothing here to average.
+            # check_ema_supported refuses this recipe earlier; a caller-built run may still get here.
             raise ValueError(
                 "callbacks.ema is not supported under DeepSpeed ZeRO-3 (partitioned parameters); use "
                 "FSDP2 (accelerate_configs/fsdp2.yaml), where each rank averages its own shard, or ZeRO-2"
@@ -149,17 +225,36 @@ class EmaCallback(TrainerCallback):
         if trainer.accelerator.is_main_process:
             logger.info("EMA weights written to %s", out)
 
+    # ---- checkpoints: one file of full tensors (older checkpoints: per-rank tensors) ----
+    def write_checkpoint_files(self, trainer, folder: Path) -> None:
+        if self.ema is not None:
+            self.ema.write_file(Path(folder) / EMA_FILE, is_main_process=trainer.accelerator.is_main_process)
+
+    def read_checkpoint_files(self, trainer, folder: Path) -> None:
+        path = Path(folder) / EMA_FILE
+        legacy = self._pending is not None  # per-rank tensors from a checkpoint before format 2
+        if not path.is_file() and not legacy:
+            logger.warning("%s holds no EMA state: the EMA restarts from the resumed weights", folder)
+            return
+        if self.ema is None:
+            self.ema = self._build(trainer)  # takes any per-rank tensors
+        if path.is_file():
+            self.ema.load_file(path)
+
+    def checkpoint_bytes(self) -> int:
+        return 0 if self.ema is None else sum(4 * p.numel() for p in self.ema.params)
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {} if self.ema is None else self.ema.state_tensors()
+        return {}  # the EMA is in its own file (write_checkpoint_files)
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        # Checkpoints before format 2 kept each rank's shadow in its rank file.
         if not tensors:
-            logger.warning("the checkpoint holds no EMA state: the EMA restarts from the resumed weights")
             return
         if self.ema is not None:
             self.ema.load_state_tensors(tensors)
         else:
-            self._pending = dict(tensors)  # applied when the trainer starts and the shadow is built
+            self._pending = dict(tensors)  # applied when the shadow is built
 
     def applied(self):
         """Context manager: the EMA weights in the student for the duration (no-op if not built)."""

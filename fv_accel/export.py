@@ -14,6 +14,11 @@ Sources, in the order they are looked for: a LoRA file; a folder with
 `transformer/` (a full run's output); an Accelerate checkpoint of a full run (`model.safetensors`
 + `metadata.json`); an output folder with `checkpoint-<step>/` folders (the latest is used).
 Everything is read and written with safetensors.
+
+Without `--out` the export goes to the run's output folder, never into a checkpoint (which
+`checkpoints_total_limit` deletes with everything in it): `<output_dir>/exports/<checkpoint-N>_<to>`
+for a checkpoint, `<output_dir>/exports/final_<to>` for a run's final weights, and
+`<folder>/exports/<file name>_<to>` for a LoRA file elsewhere.
 """
 
 from __future__ import annotations
@@ -222,11 +227,35 @@ def export_merged(src: ExportSource, out: Path, *, base: Optional[str] = None, d
     return [_save_transformer(transformer, out, src.base.get("attention"))]
 
 
+def _enclosing_checkpoint(path: Path) -> Optional[Path]:
+    """The `checkpoint-<step>` folder `path` is in (or is), if any."""
+    from fv_accel.checkpoint import checkpoint_step
+
+    path = path.resolve()
+    return next((p for p in (path, *path.parents) if checkpoint_step(p) is not None), None)
+
+
+def default_export_dir(src: ExportSource, to: str) -> Path:
+    """Where an export goes without --out: outside any checkpoint, under the run's `exports/`."""
+    ckpt = _enclosing_checkpoint(src.path)
+    if ckpt is not None:
+        return ckpt.parent / "exports" / f"{ckpt.name}_{to}"
+    if src.path.is_file():
+        return src.path.parent / "exports" / f"{src.path.stem}_{to}"
+    return src.path / "exports" / f"final_{to}"
+
+
 def export(path: str | Path, to: str, out: Optional[str | Path] = None, *, base: Optional[str] = None, dtype: Optional[str] = None) -> list[Path]:
     if to not in TARGETS:
         raise ExportError(f"--to {to!r}: expected one of {', '.join(TARGETS)}")
     src = find_source(path)
-    out_dir = Path(out) if out is not None else (src.path if src.path.is_dir() else src.path.parent) / f"export_{to}"
+    if out is not None and _enclosing_checkpoint(Path(out)) is not None:
+        raise ExportError(
+            f"--out {out} is inside the checkpoint {_enclosing_checkpoint(Path(out))}, which "
+            f"training.checkpoint.checkpoints_total_limit deletes with everything in it; choose a folder "
+            f"outside it (the default is {default_export_dir(src, to)})"
+        )
+    out_dir = Path(out) if out is not None else default_export_dir(src, to)
     if to == "diffusers":
         return export_diffusers(src, out_dir)
     if to == "comfyui":
@@ -238,7 +267,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fv_accel.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="a run's output folder, one of its checkpoint-<step> folders, or a LoRA file")
     parser.add_argument("--to", required=True, choices=TARGETS)
-    parser.add_argument("--out", default=None, help="output folder (default: <source>/export_<to>)")
+    parser.add_argument(
+        "--out", default=None, help="output folder (default: <output_dir>/exports/<checkpoint-N or final>_<to>)"
+    )
     parser.add_argument("--base", default=None, help="base model for --to merged (default: the run's own)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="dtype of a merged export")
     args = parser.parse_args(argv)

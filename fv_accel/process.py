@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
+
+
+def needs_exit_without_teardown(accelerator: Any = None) -> bool:
+    """Whether this run must end through `exit_without_teardown`: more than one process on the
+    gloo backend, where the teardown deadlock below exists. Asked of the run's Accelerator before
+    training (the process group is gone after `end_training`), or without one, of the process
+    group itself."""
+    if accelerator is not None:
+        return accelerator.num_processes > 1 and getattr(accelerator.state, "backend", None) == "gloo"
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo"
 
 
 def exit_without_teardown(code: int) -> None:
@@ -14,7 +27,8 @@ def exit_without_teardown(code: int) -> None:
     to release its tensors. Seen in about 1 of 10 two-process CPU runs stopped by a signal (py-spy:
     `~ProcessGroupGloo -> std::thread::join` in the main thread, `~AsyncBarrierWork -> gil_scoped_acquire`
     in `pt_gloo_runloop`). Everything a run writes is closed and synced by now (checkpoints, final
-    weights, trackers finished by `end_training`); streams and logging are flushed here.
+    weights, trackers finished by the trainer on every path, crash included, and the output
+    folder's lock released); streams and logging are flushed here.
     """
     import logging
     import os

@@ -70,11 +70,21 @@ class TrainerCallback:
 
     def on_train_end(self, trainer: "Trainer") -> None: ...
 
-    # Tensors this callback keeps in checkpoints (per rank), e.g. the EMA weights.
+    # Tensors this callback keeps in checkpoints per rank (in the rank's fv_rank_<r>.safetensors).
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    # Files this callback writes into a checkpoint folder itself (called on every rank; the EMA
+    # writes one file of full tensors) and reads back on resume.
+    def write_checkpoint_files(self, trainer: "Trainer", folder: Path) -> None: ...
+
+    def read_checkpoint_files(self, trainer: "Trainer", folder: Path) -> None: ...
+
+    # Bytes this callback adds to a checkpoint (for the disk-space check before the first one).
+    def checkpoint_bytes(self) -> int:
+        return 0
 
     # Figures for the end-of-run summary table (e.g. the best held-out loss).
     def summary(self) -> dict[str, Any]:
@@ -98,6 +108,12 @@ class Trainer:
         resumed = getattr(run, "trainer_state", None) or {}
         self.skipped_steps = int(resumed.get("skipped_steps", 0))
         self.consecutive_skips = int(resumed.get("consecutive_skips", 0))
+        # Recipe changes made on resume, with the step from which each took effect.
+        self.recipe_changes: list[dict] = list(resumed.get("recipe_changes") or [])
+        # The output folder's lock (fv_accel.output_dir), released when the run ends, however it ends.
+        self.output_lock = getattr(run, "output_lock", None)
+        self._trackers_finished = False
+        self._progress: Any = None
         self.last_checkpoint: Optional[Path] = None
         self._stop_signal: Optional[int] = None
         self._stop_signal_time = 0.0
@@ -105,7 +121,11 @@ class Trainer:
 
     # ---- trainer counters kept in checkpoints (metadata.json) ----
     def state_dict(self) -> dict:
-        return {"skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
+        return {
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
+            "recipe_changes": self.recipe_changes,
+        }
 
     def save_checkpoint(self) -> Path:
         from fv_accel.checkpoint import save_checkpoint
@@ -222,6 +242,39 @@ class Trainer:
             prefix = f"cb{i}/"
             cb.load_state_tensors({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
 
+    def write_checkpoint_files(self, folder: Path) -> None:
+        for cb in self.callbacks:
+            cb.write_checkpoint_files(self, folder)
+
+    def read_checkpoint_files(self, folder: Path) -> None:
+        for cb in self.callbacks:
+            cb.read_checkpoint_files(self, folder)
+
+    def callback_checkpoint_bytes(self) -> int:
+        return sum(cb.checkpoint_bytes() for cb in self.callbacks)
+
+    # ---- the end of a run: trackers finished and the output folder released on every path ----
+    def _end_training(self, *, crashed: bool) -> None:
+        """Finish the trackers (a W&B run is marked finished, or failed after a crash). A normal end
+        (done, stopped by a signal or a fault policy) is Accelerate's `end_training`, which also
+        destroys the process group; after a crash only the trackers are finished, since another
+        rank may still be inside a collective."""
+        if self._trackers_finished or self.accelerator is None:
+            return
+        self._trackers_finished = True
+        if not crashed:
+            self.accelerator.end_training()
+            return
+        for tracker in getattr(self.accelerator, "trackers", []):
+            try:
+                run = getattr(tracker, "run", None)
+                if getattr(tracker, "name", None) == "wandb" and run is not None:
+                    run.finish(exit_code=1)
+                else:
+                    tracker.finish()
+            except Exception as err:  # noqa: BLE001 - the crash itself is what must be reported
+                logger.warning("could not finish tracker %s: %s: %s", getattr(tracker, "name", tracker), type(err).__name__, err)
+
     # ---- logging ----
     def log_metrics(self, logs: dict, step: int) -> None:
         """Scalars to the trackers and logs/metrics.jsonl (main process writes); for callbacks."""
@@ -257,16 +310,46 @@ class Trainer:
             except Exception as err:  # noqa: BLE001 - a plotting problem must not fail a finished run
                 logger.warning("could not write the plots: %s: %s", type(err).__name__, err)
 
+    def _write_final_outputs(self, student: Any, save_final: bool) -> None:
+        """The callbacks' end of training (the EMA's `ema/` export) and the trained weights
+        (transformer/ or the LoRA files); a full disk is said as such."""
+        from fv_accel.checkpoint import out_of_space_error
+
+        try:
+            for cb in self.callbacks:
+                cb.on_train_end(self)
+            if save_final:
+                student.save_final(self.accelerator, self.output_dir)
+        except Exception as err:
+            needed = sum(p.numel() * p.element_size() for p in student.trainable_parameters())
+            space = out_of_space_error(err, self.output_dir, needed, "the trainable weights, per copy", "the final weights")
+            if space is not None:
+                raise space from err
+            raise
+
     def run(self) -> dict:
         """Train to `max_train_steps`; a SIGTERM/SIGINT stops at the next step boundary with a checkpoint."""
         previous_handlers = self._install_signal_handlers()
         try:
-            return self._train()
+            try:
+                summary = self._train()
+            except TrainingStopped:
+                self._end_training(crashed=False)
+                raise
+            except BaseException:
+                if self._progress is not None:
+                    self._progress.close()  # the error goes on a line of its own
+                self._end_training(crashed=True)
+                raise
+            self._end_training(crashed=False)
+            return summary
         finally:
             self._restore_signal_handlers(previous_handlers)
             if self._metrics_file is not None:
                 self._metrics_file.close()
                 self._metrics_file = None
+            if self.output_lock is not None:
+                self.output_lock.release()
 
     def _train(self) -> dict:
         from tqdm.auto import tqdm
@@ -291,7 +374,7 @@ class Trainer:
         tokens_run = 0
         for cb in self.callbacks:
             cb.on_train_start(self)
-        progress = tqdm(
+        progress = self._progress = tqdm(
             total=max_steps, initial=self.step, desc="train", disable=not acc.is_local_main_process, dynamic_ncols=True
         )
         data_iter = iter(self.dataloader)
@@ -394,7 +477,6 @@ class Trainer:
             if stop_reason is not None:
                 progress.close()
                 ckpt = self.save_checkpoint()
-                acc.end_training()
                 raise TrainingStopped(f"{stop_reason}; checkpoint saved in {ckpt}", ckpt)
             if self.step < max_steps and self._stop_requested():
                 stopped_by = signal.Signals(self._stop_signal).name if self._stop_signal else "another rank's signal"
@@ -412,10 +494,7 @@ class Trainer:
                     flush=True,
                 )
         else:
-            for cb in self.callbacks:
-                cb.on_train_end(self)
-            if cfg.training.checkpoint.save_final:
-                student.save_final(acc, self.output_dir)
+            self._write_final_outputs(student, cfg.training.checkpoint.save_final)
         acc.wait_for_everyone()
         summary = {
             "steps": steps_run,
@@ -445,5 +524,4 @@ class Trainer:
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None
-        acc.end_training()
         return summary

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.launch_helpers import free_port
@@ -281,12 +282,24 @@ def test_fsdp2_equals_ddp_and_its_sharded_checkpoint_resumes(fsdp_runs, ddp_runs
         str(root / "finetune_fsdp2_resumed" / "transformer" / "diffusion_pytorch_model.safetensors")
     )
     assert max_diff(resumed_final, final) < WEIGHT_TOL
+    # The EMA: one file of full tensors gathered from the shards, sharded again on resume.
+    with safe_open(str(ckpt / "ema.safetensors"), framework="pt") as fh:
+        ema_shapes = sorted(tuple(fh.get_slice(k).get_shape()) for k in fh.keys())
+    assert ema_shapes == sorted(tuple(v.shape) for v in final.values())
+    for r in (0, 1):
+        with safe_open(str(ckpt / f"fv_rank_{r}.safetensors"), framework="pt") as fh:
+            assert all(k.startswith("rng/") for k in fh.keys())
+    ema_file = "ema/transformer/diffusion_pytorch_model.safetensors"
+    ema_resumed, ema_full = load_file(str(root / "finetune_fsdp2_resumed" / ema_file)), load_file(str(root / "finetune_fsdp2" / ema_file))
+    assert max_diff(ema_resumed, ema_full) < WEIGHT_TOL
+    assert max_diff(ema_full, final) > 1e-5  # the average is not the weights
 
 
 @pytest.mark.multiproc
 def test_fsdp2_checkpoint_of_two_processes_resumes_in_one(fsdp_runs, tmp_path):
     """torch.distributed.checkpoint reshards: the two-process FSDP2 checkpoint resumes under FSDP2
-    in one process (batch 2) and ends with the two-process run's weights."""
+    in one process (batch 2) and ends with the two-process run's weights; the EMA, saved as full
+    tensors, resumes too and ends with the two-process run's average."""
     root, records = fsdp_runs
     runs = [
         {
@@ -298,9 +311,6 @@ def test_fsdp2_checkpoint_of_two_processes_resumes_in_one(fsdp_runs, tmp_path):
                 **{
                     "training.data.train_batch_size": 2,
                     "training.checkpoint.resume_from_checkpoint": str(root / "finetune_fsdp2" / "checkpoint-2"),
-                    # The EMA callback keeps each rank's FSDP2 shard of its average in the rank's
-                    # file, which does not reshard to another process count (it refuses the shapes).
-                    "callbacks.ema.enable": False,
                 },
             ),
         }
@@ -314,6 +324,9 @@ def test_fsdp2_checkpoint_of_two_processes_resumes_in_one(fsdp_runs, tmp_path):
     final = load_file(str(tmp_path / "finetune_fsdp2_resumed_1proc" / "transformer" / "diffusion_pytorch_model.safetensors"))
     two_proc = load_file(str(root / "finetune_fsdp2" / "transformer" / "diffusion_pytorch_model.safetensors"))
     assert max_diff(final, two_proc) < WEIGHT_TOL
+    ema_file = "ema/transformer/diffusion_pytorch_model.safetensors"
+    ema_one = load_file(str(tmp_path / "finetune_fsdp2_resumed_1proc" / ema_file))
+    assert max_diff(ema_one, load_file(str(root / "finetune_fsdp2" / ema_file))) < WEIGHT_TOL
 
 
 @pytest.mark.multiproc

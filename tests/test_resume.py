@@ -68,7 +68,11 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, latent_data, method, ext
     with safe_open(str(ckpt / "fv_rank_0.safetensors"), framework="pt") as fh:
         keys = set(fh.keys())
     assert {"rng/python", "rng/numpy", "rng/torch", "rng/method_generator"} <= keys
-    assert any(k.startswith("extra/") for k in keys)  # the EMA shadow
+    # The EMA shadow: one file of full tensors (not a copy per rank).
+    assert not any(k.startswith("extra/") for k in keys)
+    with safe_open(str(ckpt / "ema.safetensors"), framework="pt") as fh:
+        assert set(fh.keys()) == {f"shadow.{i}" for i in range(len(full_ema))}
+        assert fh.metadata()["num_updates"] == "5"
     meta = read_metadata(ckpt)
     assert meta["step"] == 5 and meta["epoch"] == 1 and meta["data"]["step_in_epoch"] == 2
     assert meta["versions"]["torch"] == torch.__version__
