@@ -228,8 +228,7 @@ class TrainingMethod:
         return tb
 
     # ---- losses ----
-    def per_frame_loss(self, pred: torch.Tensor, tb: TrainingBatch) -> torch.Tensor:
-        """[B, T]: each frame's mean squared error (velocity, or x0 with precondition_outputs)."""
+    def _loss(self, pred: torch.Tensor, tb: TrainingBatch, reduce_dims: tuple[int, ...] | None) -> torch.Tensor:
         return flow_matching_loss(
             pred,
             tb.latents,
@@ -237,22 +236,17 @@ class TrainingMethod:
             tb.noise,
             tb.sigmas,
             precondition_outputs=bool(self.training_config.model.precondition_outputs),
-            reduce_dims=(1, 3, 4),
+            reduce_dims=reduce_dims,
         )
+
+    def per_frame_loss(self, pred: torch.Tensor, tb: TrainingBatch) -> torch.Tensor:
+        """[B, T]: each frame's mean squared error (velocity, or x0 with precondition_outputs)."""
+        return self._loss(pred, tb, (1, 3, 4))
 
     def unweighted_loss(self, pred: torch.Tensor, tb: TrainingBatch) -> torch.Tensor:
         """The mean squared error over every element of the frames that carry a loss."""
         k = tb.conditioning.clean_frames if tb.conditioning is not None else 0
-        if k:
-            return self.per_frame_loss(pred, tb)[:, k:].mean()
-        return flow_matching_loss(
-            pred,
-            tb.latents,
-            tb.noisy_model_input,
-            tb.noise,
-            tb.sigmas,
-            precondition_outputs=bool(self.training_config.model.precondition_outputs),
-        )
+        return self.per_frame_loss(pred, tb)[:, k:].mean() if k else self._loss(pred, tb, None)
 
     @torch.no_grad()
     def heldout_loss(
