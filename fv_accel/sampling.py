@@ -168,6 +168,35 @@ def sample_wan_pipeline(
         scheduler=sampling_scheduler(shift),
         transformer=transformer,
     )
+    return pipeline_latents(
+        pipe,
+        prompt_embeds,
+        negative_prompt_embeds,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+        generator=generator,
+    )
+
+
+@torch.no_grad()
+def pipeline_latents(
+    pipe,
+    prompt_embeds: torch.Tensor,
+    negative_prompt_embeds: Optional[torch.Tensor],
+    *,
+    height: int,
+    width: int,
+    num_frames: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    generator: torch.Generator,
+    **call,
+) -> torch.Tensor:
+    """A diffusers video pipeline's latents (no decoding) for pre-encoded prompts; the negative
+    prompt only with guidance. `call` passes the pipeline's own inputs (e.g. `image`)."""
     pipe.set_progress_bar_config(disable=True)
     out = pipe(
         prompt_embeds=prompt_embeds,
@@ -180,6 +209,7 @@ def sample_wan_pipeline(
         generator=generator,
         output_type="latent",
         return_dict=False,
+        **call,
     )[0]
     return out.float()
 

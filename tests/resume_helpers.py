@@ -108,3 +108,22 @@ def ema_shadow(run) -> list[torch.Tensor]:
         if ema is not None:
             return [s.detach().clone() for s in ema.shadow]
     return []
+
+
+def output_files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else []
+
+
+def build_fails(method: str, overrides: dict, exc_type, message: str) -> str:
+    """The build fails with `exc_type`, one line holding `message`, and leaves the output folder as it was."""
+    import pytest
+
+    out = Path(overrides["training.checkpoint.output_dir"])
+    before = output_files(out)
+    with pytest.raises(exc_type) as err:
+        build(method, overrides)
+    text = str(err.value)
+    assert message in text, text
+    assert "\n" not in text
+    assert output_files(out) == before, "a failed build must leave the output folder as it was"
+    return text

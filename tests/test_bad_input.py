@@ -13,7 +13,7 @@ from fv_accel.checkpoint import CheckpointError
 from fv_accel.cli import main as cli_main
 from fv_accel.config import ConfigError, default_recipe, load_config
 from fv_accel.trainer import Trainer
-from tests.resume_helpers import build, small_overrides, write_latent_dataset
+from tests.resume_helpers import build, build_fails, output_files, small_overrides, write_latent_dataset
 
 
 @pytest.fixture(scope="module")
@@ -21,20 +21,6 @@ def latent_data(tmp_path_factory):
     return write_latent_dataset(tmp_path_factory.mktemp("latents"), num_clips=4)
 
 
-def _files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else []
-
-
-def _fails(method, overrides, exc_type, message):
-    out = Path(overrides["training.checkpoint.output_dir"])
-    before = _files(out)
-    with pytest.raises(exc_type) as err:
-        build(method, overrides)
-    text = str(err.value)
-    assert message in text, text
-    assert "\n" not in text
-    assert _files(out) == before, "a failed build must leave the output folder as it was"
-    return text
 
 
 def test_misspelled_key_in_a_recipe_file(tmp_path, latent_data, capsys):
@@ -63,11 +49,11 @@ def test_misspelled_key_in_a_recipe_file(tmp_path, latent_data, capsys):
     ids=["wrong_type", "negative_lr", "unknown_choice"],
 )
 def test_wrong_values_name_the_key(tmp_path, latent_data, key, value, message):
-    _fails("finetune", small_overrides(tmp_path / "out", latent_data, **{key: value}), ConfigError, message)
+    build_fails("finetune", small_overrides(tmp_path / "out", latent_data, **{key: value}), ConfigError, message)
 
 
 def test_chunk_size_larger_than_the_latent_frame_count(tmp_path, latent_data):
-    text = _fails(
+    text = build_fails(
         "dfsft",
         small_overrides(tmp_path / "out", latent_data, **{"method.chunk_size": 5}),
         ConfigError,
@@ -88,7 +74,7 @@ def test_chunk_size_different_from_the_models_causal_block(tmp_path, latent_data
         return student
 
     monkeypatch.setattr(models, "build_student", causal_student)
-    _fails(
+    build_fails(
         "dfsft",
         small_overrides(tmp_path / "out", latent_data, **{"method.chunk_size": 3}),
         ValueError,
@@ -98,7 +84,7 @@ def test_chunk_size_different_from_the_models_causal_block(tmp_path, latent_data
 
 def test_latents_with_the_wrong_channel_count(tmp_path):
     data = write_latent_dataset(tmp_path / "latents8", num_clips=4, channels=8)
-    text = _fails(
+    text = build_fails(
         "finetune",
         small_overrides(tmp_path / "out", data),
         ConfigError,
@@ -117,7 +103,7 @@ def test_empty_dataset(tmp_path, capsys):
     row = make_row(sample_id="x", latent=torch.zeros(16, 3, 4, 4), text_embedding=torch.zeros(7, 32), caption="x")
     datasets.Dataset.from_list([row]).select([]).to_parquet(str(empty / "data.parquet"))
     message = f"{empty}: the dataset is empty (0 rows in 1 Parquet file(s))"
-    _fails("finetune", small_overrides(tmp_path / "out", str(empty)), ValueError, message)
+    build_fails("finetune", small_overrides(tmp_path / "out", str(empty)), ValueError, message)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(load_config(default_recipe("finetune"), small_overrides(tmp_path / "out", str(empty))).to_yaml())
     capsys.readouterr()
@@ -126,7 +112,7 @@ def test_empty_dataset(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     no_files = tmp_path / "no_files"
     no_files.mkdir()
-    _fails(
+    build_fails(
         "finetune",
         small_overrides(tmp_path / "out", str(no_files)),
         FileNotFoundError,
@@ -140,7 +126,7 @@ def test_output_dir_holding_another_runs_checkpoints(tmp_path, latent_data, caps
         out, latent_data, **{"training.loop.max_train_steps": 2, "training.checkpoint.training_state_checkpointing_steps": 1}
     )
     Trainer(build("finetune", first)).run()
-    text = _fails(
+    text = build_fails(
         "finetune",
         small_overrides(out, latent_data),
         CheckpointError,

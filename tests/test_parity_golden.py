@@ -14,6 +14,7 @@ import torch
 from fv_accel.config import default_recipe, load_config
 from fv_accel.methods import METHODS
 from fv_accel.models import build_student
+from test_methods import fake_batch
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "parity_golden.json").read_text())
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -41,17 +42,6 @@ CASES_B = {
     "tfsft": ("tiny_tfsft.yaml", {}),
     "tfsft_ctx": ("tiny_tfsft.yaml", {"method.context_timestep": 50.0}),
 }
-
-
-def fake_batch(b=2, t=6, h=6, w=6, c=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "vae_latent": torch.randn(b, c, t, h, w, generator=g),
-        "text_embedding": torch.randn(b, 512, 32, generator=g),
-        "text_attention_mask": torch.ones(b, 512, dtype=torch.long),
-        "sample_index": torch.arange(b),
-        "epoch": torch.zeros(b, dtype=torch.long),
-    }
 
 
 def build_method(cfg):

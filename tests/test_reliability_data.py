@@ -17,26 +17,11 @@ import yaml
 from fv_accel.cli import main as cli_main
 from fv_accel.config import ConfigError, default_recipe, load_config, parse_cli
 from fv_accel.data.schema import IncompleteDatasetError, make_row, write_dataset_info, write_rows
-from tests.resume_helpers import build, small_overrides, write_latent_dataset
+from tests.resume_helpers import build, build_fails, output_files, small_overrides, write_latent_dataset
 
 CPU = torch.device("cpu")
 
 
-def _files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else []
-
-
-def _fails(method: str, overrides: dict, exc_type, message: str) -> str:
-    """The build fails with `exc_type`, one line holding `message`, and leaves the output folder as it was."""
-    out = Path(overrides["training.checkpoint.output_dir"])
-    before = _files(out)
-    with pytest.raises(exc_type) as err:
-        build(method, overrides)
-    text = str(err.value)
-    assert message in text, text
-    assert "\n" not in text
-    assert _files(out) == before, "a failed build must leave the output folder as it was"
-    return text
 
 
 def _cli_error(tmp_path: Path, overrides: dict, capsys) -> str:
@@ -103,7 +88,7 @@ def test_two_of_six_shards_without_fv_dataset_json_is_refused(tmp_path, capsys):
         f"(2 of 6 present) and fv_dataset.json, which preprocessing writes last, is missing; finish it by rerunning "
         f"the same `python -m fv_accel.preprocess ... --output {data}` command (it resumes where it stopped)"
     )
-    _fails("finetune", small_overrides(tmp_path / "out", str(data)), IncompleteDatasetError, message)
+    build_fails("finetune", small_overrides(tmp_path / "out", str(data)), IncompleteDatasetError, message)
     assert _cli_error(tmp_path, small_overrides(tmp_path / "out", str(data)), capsys) == f"error: {message}"
 
 
@@ -150,7 +135,7 @@ def test_interrupted_preprocessing_is_refused_naming_its_command_then_resumes(tm
 
 def test_no_latent_statistics_is_an_error_naming_the_keys(tmp_path, tiny_model_dir):
     fastvideo = _dataset(tmp_path / "fastvideo", _rows(4), stats=False)  # FastVideo writes no fv_dataset.json
-    _fails(
+    build_fails(
         "finetune",
         small_overrides(tmp_path / "out", fastvideo),
         ConfigError,
@@ -265,7 +250,7 @@ def test_row_whose_bytes_do_not_match_its_shape(tmp_path):
     rows = _rows(4)
     rows[2]["vae_latent_bytes"] = rows[2]["vae_latent_bytes"][:-8]
     data = _dataset(tmp_path / "d", rows)
-    _fails(
+    build_fails(
         "finetune",
         small_overrides(tmp_path / "out", data),
         ValueError,
@@ -277,7 +262,7 @@ def test_row_whose_bytes_do_not_match_its_shape(tmp_path):
 def test_empty_text_embedding(tmp_path):
     rows = _rows(3) + _rows(1, text=(0, 32), start=3)
     data = _dataset(tmp_path / "d", rows)
-    _fails(
+    build_fails(
         "finetune",
         small_overrides(tmp_path / "out", data),
         ValueError,
@@ -288,7 +273,7 @@ def test_empty_text_embedding(tmp_path):
 
 def test_text_width_the_model_cannot_take(tmp_path):
     data = _dataset(tmp_path / "d", _rows(4, text=(7, 48)))
-    _fails(
+    build_fails(
         "finetune",
         small_overrides(tmp_path / "out", data),
         ConfigError,
@@ -299,7 +284,7 @@ def test_text_width_the_model_cannot_take(tmp_path):
 
 def test_odd_latent_height(tmp_path):
     data = _dataset(tmp_path / "d", _rows(4) + _rows(2, shape=(16, 3, 5, 4), start=4))
-    _fails(
+    build_fails(
         "finetune",
         small_overrides(tmp_path / "out", data),
         ConfigError,
@@ -317,7 +302,7 @@ def test_unreadable_parquet_file_is_named(tmp_path, content, detail):
     data = _dataset(tmp_path / "d", _rows(4), "data-00000-of-00002.parquet")
     bad = tmp_path / "d" / "data-00001-of-00002.parquet"
     bad.write_bytes(content)
-    _fails("finetune", small_overrides(tmp_path / "out", data), ValueError, f"{bad}: not a readable Parquet file ({detail}")
+    build_fails("finetune", small_overrides(tmp_path / "out", data), ValueError, f"{bad}: not a readable Parquet file ({detail}")
 
 
 def test_mix_weight_that_is_not_a_number(tmp_path, capsys):
@@ -387,7 +372,7 @@ def test_num_latent_t_height_width_filter_the_rows(tmp_path):
     loader = build_train_loader(cfg, world_size=1, rank=0)
     seen = {int(i) for batch, _ in zip(loader, range(8)) for i in batch["sample_index"]}
     assert loader.off_shape_indices == [4, 5] and seen == {0, 1, 2, 3}
-    _fails(
+    build_fails(
         "finetune",
         small_overrides(tmp_path / "out", data, **{"training.data.num_frames": 13}),
         ValueError,

@@ -532,7 +532,7 @@ class WanStudent(ModelBase):
         normalised latents. A single Wan 2.2 expert samples with the base repo's other expert."""
         from diffusers import WanImageToVideoPipeline, WanPipeline
 
-        from fv_accel.sampling import sampling_scheduler
+        from fv_accel.sampling import pipeline_latents, sampling_scheduler
 
         if self.kind == "skyreels_v2" or self.uses_image_features:
             # The Euler sampler over `forward` (validation's default): SkyReels-V2 samples by diffusion
@@ -566,25 +566,22 @@ class WanStudent(ModelBase):
             call["image"] = Image.fromarray(np.asarray(first_frame, dtype=np.uint8))
         else:
             pipe = WanPipeline(**parts)
-        pipe.set_progress_bar_config(disable=True)
         try:
-            out = pipe(
-                prompt_embeds=prompt_embeds,
-                negative_prompt_embeds=negative_prompt_embeds if guidance_scale > 1.0 else None,
+            return pipeline_latents(
+                pipe,
+                prompt_embeds,
+                negative_prompt_embeds,
                 height=height,
                 width=width,
                 num_frames=num_frames,
                 num_inference_steps=num_inference_steps,
                 guidance_scale=guidance_scale,
                 generator=generator,
-                output_type="latent",
-                return_dict=False,
                 **call,
-            )[0]
+            )
         finally:
             if self.expert in ("high_noise", "low_noise"):
                 self._other_expert().to("cpu")
-        return out.float()
 
     def _other_expert(self) -> torch.nn.Module:
         """The frozen other expert of the base repo (for sample videos), kept on the CPU between uses."""
