@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from fv_accel.tiny.model import TinyModel, build_tiny_tokenizer, build_tiny_vae, measure_latent_stats
+
 TINY_COSMOS2_TEXT_DIM = 32
 TINY_COSMOS2_TRANSFORMER_CONFIG = dict(
     in_channels=16 + 1,  # latent channels + the condition-mask channel (Video2World)
@@ -82,8 +84,6 @@ def write_tiny_cosmos2(out_dir: str | Path, seed: int = 0, latents_stats: Option
     """
     from diffusers import Cosmos2VideoToWorldPipeline, CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
 
-    from fv_accel.tiny.model import build_tiny_tokenizer, build_tiny_vae, measure_latent_stats
-
     out = Path(out_dir)
     tokenizer = build_tiny_tokenizer()
     text_encoder = build_tiny_t5_encoder(len(tokenizer), seed + 1)
@@ -122,3 +122,7 @@ def write_tiny_cosmos2(out_dir: str | Path, seed: int = 0, latents_stats: Option
         child.replace(target)
     partial.rmdir()
     return out
+
+
+# `python -m fv_accel.tiny_model DIR --model cosmos2` (fv_accel.tiny.registry).
+TINY_MODEL_ENTRIES = {"cosmos2": TinyModel(SUMMARY, LAYOUT, write_tiny_cosmos2)}
