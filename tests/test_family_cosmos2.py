@@ -4,6 +4,10 @@ The stock `Cosmos2VideoToWorldPipeline` needs a safety checker: cosmos_guardrail
 installable here, so these tests load it with `safety_checker=PassThroughSafetyChecker()`, a
 stand-in that checks nothing (every prompt passes, every video is returned unchanged). The videos
 the tests decode are therefore not screened by NVIDIA's guardrail.
+
+Without torchvision (not installed here) diffusers' Cosmos transformer cannot resize its padding
+mask; importing fv_accel.models.cosmos2 binds a torch-only nearest resize in its place
+(`install_padding_mask_resize`), so the stock pipeline below runs with it.
 """
 
 from __future__ import annotations
@@ -168,6 +172,15 @@ def test_video_noise_shift_is_the_shifted_flow_table_of_scaled_edm_sigmas():
     sigma0 = c2.edm_sigma(u)
     scaled = k * sigma0
     torch.testing.assert_close(scaled / (1 + scaled), k * u / (1 + (k - 1) * u))
+
+
+def test_comfyui_names_are_the_original_cosmos_modules():
+    name = c2.cosmos2_original_module_name
+    assert name("transformer_blocks.3.attn2.to_out.0") == "blocks.3.cross_attn.output_proj"
+    assert name("transformer_blocks.0.norm1.linear_1") == "blocks.0.adaln_modulation_self_attn.1"
+    assert name("proj_out") == "final_layer.linear"
+    with pytest.raises(ValueError, match="no original Cosmos-Predict2"):
+        name("transformer_blocks.0.attn1.norm_q")
 
 
 # ---- per-frame timesteps reach the transformer ----

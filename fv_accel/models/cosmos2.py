@@ -17,6 +17,12 @@ Conventions, read from diffusers' Cosmos2VideoToWorldPipeline (0.42):
 - `padding_mask` is all zeros (the pipeline's); `fps` the pipeline's default (16).
 - The transformer takes its timestep as [B, 1, T, 1, 1], one per latent frame (AdaLN per frame),
   which is how the pipeline calls it: per-frame timesteps work (diffusion forcing).
+- Training noise: Cosmos-Predict2 draws `log sigma ~ N(0, 1)` and scales video sigmas by
+  sqrt(latent frames); in flow terms, the table of shift sqrt(T) (`video_noise_shift`, the
+  default `training_shift`) drawn logit-normally (the recipes' `training.model.weighting_scheme`).
+  The repo's scheduler config (shift 1, Karras sigmas) describes its sampler only. Its loss weighs
+  the x0 error by (sigma^2 + 1) / sigma^2, which is the velocity error weighted by
+  (1 - s)^2 + s^2 (between 0.5 and 1); fv_accel's methods weigh it 1 (the loss is the method's).
 """
 
 from __future__ import annotations
