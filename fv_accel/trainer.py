@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 # SIGTERM): a repeat this soon after the first is the same request, not a "stop now".
 SIGNAL_REPEAT_GRACE_S = 2.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# When set, the main process writes the checkpoint's path into this file after a signal stopped the
+# run (accelerate_configs/slurm_multinode.sh requeues the job when it is there).
+STOPPED_FILE_ENV = "FV_ACCEL_STOPPED_FILE"
 
 
 @contextlib.contextmanager
@@ -570,6 +573,10 @@ class Trainer:
                     f"continue with --resume_from_checkpoint latest",
                     flush=True,
                 )
+                stopped_file = os.environ.get(STOPPED_FILE_ENV)
+                if stopped_file:
+                    # For a job script: this run stopped early with a checkpoint (requeue it).
+                    Path(stopped_file).write_text(f"{ckpt}\n", encoding="utf-8")
         else:
             self._write_final_outputs(student, cfg.training.checkpoint.save_final)
         acc.wait_for_everyone()
