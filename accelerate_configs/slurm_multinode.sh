@@ -62,6 +62,9 @@ stop_training() {
     scancel --signal=TERM "$SLURM_JOB_ID" || true  # the job's steps, not this script
 }
 trap stop_training USR1
+# A preemption or `scancel` sends SIGTERM to this script and to the step's processes at once: keep
+# waiting while the step saves its checkpoint (SLURM requeues a preempted job itself).
+trap 'echo "SIGTERM: waiting for the training step to stop"' TERM
 
 # SLURM_NODEID is each node's machine rank; it is read on the node, inside the srun task. srun runs
 # in the background so that the trap runs as soon as the signal arrives (bash runs traps between
@@ -76,9 +79,14 @@ RC=0
 wait "$STEP_PID" || RC=$?  # the step's exit status (bash keeps it)
 
 if [[ $RC -eq 0 && -s "$FV_ACCEL_STOPPED_FILE" ]]; then
-    echo "stopped with a checkpoint in $(cat "$FV_ACCEL_STOPPED_FILE"); requeueing job $SLURM_JOB_ID"
+    CHECKPOINT=$(cat "$FV_ACCEL_STOPPED_FILE")
     rm -f "$FV_ACCEL_STOPPED_FILE"
-    scontrol requeue "$SLURM_JOB_ID"
+    if [[ $STOP_SENT -eq 1 ]]; then
+        echo "stopped for the time limit with a checkpoint in $CHECKPOINT; requeueing job $SLURM_JOB_ID"
+        scontrol requeue "$SLURM_JOB_ID"
+    else
+        echo "stopped by a signal with a checkpoint in $CHECKPOINT; not requeued by this script"
+    fi
 elif [[ $STOP_SENT -eq 1 && $RC -eq 0 ]]; then
     echo "the run ended before it could stop for the time limit: not requeued"
 fi

@@ -127,10 +127,16 @@ def _slurm_stubs(folder: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "fake_step,expected_rc,requeued",
-    [("stops", 0, True), ("finished", 0, False), ("fails", 1, False)],
+    "fake_step,signal_from,expected_rc,requeued",
+    [("stops", "time_limit", 0, True), ("finished", "time_limit", 0, False), ("fails", "time_limit", 1, False),
+     ("stops", "preemption", 0, False)],
 )
-def test_slurm_script_forwards_the_time_limit_signal_and_requeues_after_a_clean_stop(tmp_path, fake_step, expected_rc, requeued):
+def test_slurm_script_forwards_the_time_limit_signal_and_requeues_after_a_clean_stop(
+    tmp_path, fake_step, signal_from, expected_rc, requeued
+):
+    """time_limit: SIGUSR1 to the batch script (`--signal=B:USR1@...`), which forwards SIGTERM to the
+    step and requeues after a clean stop. preemption: SLURM's SIGTERM to the script and the step at
+    once; the script waits for the step and leaves the requeue to SLURM."""
     text = SLURM_SCRIPT.read_text()
     m = re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", text, re.M)
     assert m and int(m.group(1)) >= 300 and re.search(r"^#SBATCH --requeue$", text, re.M)
@@ -151,7 +157,11 @@ def test_slurm_script_forwards_the_time_limit_signal_and_requeues_after_a_clean_
         while not (stubs / "python.pid").is_file() and job.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert (stubs / "python.pid").is_file(), (job.poll(), job.communicate(timeout=10)[0], calls.read_text())
-        job.send_signal(signal.SIGUSR1)  # what `--signal=B:USR1@...` does before the time limit
+        if signal_from == "time_limit":
+            job.send_signal(signal.SIGUSR1)  # what `--signal=B:USR1@...` does before the time limit
+        else:
+            job.send_signal(signal.SIGTERM)
+            os.kill(int((stubs / "python.pid").read_text()), signal.SIGTERM)
         output, _ = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
@@ -166,9 +176,31 @@ def test_slurm_script_forwards_the_time_limit_signal_and_requeues_after_a_clean_
         "--num_processes 16 --main_process_ip node-a --main_process_port 29500 train_dfsft.py "
         "--config configs/tiny_dfsft.yaml --resume_from_checkpoint latest --training.loop.max_train_steps 50"
     )
-    assert "scancel --signal=TERM 4242" in lines and "python got SIGTERM" in lines
+    assert ("scancel --signal=TERM 4242" in lines) == (signal_from == "time_limit") and "python got SIGTERM" in lines
     assert ("scontrol requeue 4242" in lines) == requeued
     if requeued:
-        assert f"stopped with a checkpoint in {stubs / 'out' / 'checkpoint-7'}; requeueing job 4242" in output
+        assert f"stopped for the time limit with a checkpoint in {stubs / 'out' / 'checkpoint-7'}; requeueing job 4242" in output
         assert lines[-1] == "scontrol requeue 4242"
+    if signal_from == "preemption":
+        assert f"stopped by a signal with a checkpoint in {stubs / 'out' / 'checkpoint-7'}; not requeued by this script" in output
     assert not (tmp_path / ".fv_accel_stopped_4242").exists()
+
+
+def test_torch_elastic_shutdown_timeout_reaches_the_agent_through_accelerate_launch(monkeypatch):
+    """The grace window of plain multi-process `accelerate launch` (README "Preemption"): the
+    elastic agent's shutdown timeout comes from TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s without it)."""
+    import torch.distributed.run as distrib_run
+    from accelerate.commands.launch import _filter_args, launch_command_parser
+
+    def agent_timeout() -> int:
+        args = launch_command_parser().parse_args(["--multi_gpu", "--num_processes", "2", "train_finetune.py"])
+        args.nproc_per_node, args.nnodes = "2", "1"  # as accelerate's multi-GPU launcher sets them
+        args = _filter_args(args, distrib_run.get_args_parser(), ["--training_script", "train_finetune.py", "--training_script_args", "[]"])
+        return distrib_run.config_from_args(args)[0].shutdown_timeout
+
+    # config_from_args sets OMP_NUM_THREADS when it is unset: set here, undone after the test.
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert agent_timeout() == 30
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
+    assert agent_timeout() == 600
