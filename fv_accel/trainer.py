@@ -434,6 +434,7 @@ class Trainer:
             grad_norm = None
             fault = None
             applied = False  # DeepSpeed: the engine applied this step although its gradient norm is non-finite
+            engine_skipped = False  # DeepSpeed: its fp16 loss scaler dropped this step's update (overflow)
             micro_records: list = []  # (loss, timesteps) per micro-batch, read only to report a fault
             micro_samples: list = []  # the samples' names and NaN/inf flags, read only to report a fault
             for micro in range(k):
@@ -462,11 +463,11 @@ class Trainer:
                     if acc.sync_gradients and steps_in_backward:
                         if fault is None:
                             # The engine has stepped: its norm can only tell that it applied a
-                            # non-finite gradient (unless its fp16 loss scaler dropped the step).
+                            # non-finite gradient, unless its fp16 loss scaler dropped the update.
                             grad_norm = self._clip_gradients(params, max_norm)
-                            scaler_skipped = bool(getattr(method.optimizer, "step_was_skipped", False))
+                            engine_skipped = bool(getattr(method.optimizer, "step_was_skipped", False))
                             fault = self._find_fault(
-                                loss_sums["total_loss"], grad_norm, micro_records, self.step + 1, scaler_skipped=scaler_skipped
+                                loss_sums["total_loss"], grad_norm, micro_records, self.step + 1, scaler_skipped=engine_skipped
                             )
                             applied = fault is not None
                         else:
@@ -496,6 +497,12 @@ class Trainer:
             steps_run += 1
             if fault is None:
                 self.consecutive_skips = 0
+                if engine_skipped:
+                    # No update, so counted (the EMA leaves it out), but not a fault.
+                    self.skipped_steps += 1
+                    if acc.is_main_process:
+                        logger.info("step %d: DeepSpeed's loss scaler skipped the update (gradient overflow; %d skipped in all)",
+                                    self.step, self.skipped_steps)
             elif applied:
                 pass  # not a skipped step: the update happened (the run stops below)
             else:

@@ -690,20 +690,25 @@ def fake_deepspeed(run, trainer, monkeypatch) -> types.SimpleNamespace:
     optimizer, scheduler = method.optimizer.optimizer, method.lr_scheduler.scheduler
     params = method.student.trainable_parameters()
     max_norm = run.config.callbacks.grad_clip.max_grad_norm
-    engine = types.SimpleNamespace(steps=0, norm=None)
+    engine = types.SimpleNamespace(steps=0, norm=None, overflow_at=set(), calls=0)
 
     def backward(loss, **kwargs):
         (loss / acc.gradient_accumulation_steps).backward()
         if acc.sync_gradients:
+            engine.calls += 1
             engine.norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            optimizer.step()
-            scheduler.step()
+            # An overflow of DeepSpeed's fp16 loss scaler: neither the update nor the schedule step.
+            method.optimizer.step_was_skipped = engine.calls in engine.overflow_at
+            if not method.optimizer.step_was_skipped:
+                optimizer.step()
+                scheduler.step()
+                engine.steps += 1
             optimizer.zero_grad(set_to_none=True)
-            engine.steps += 1
 
     monkeypatch.setattr(acc, "backward", backward)
     monkeypatch.setattr(acc, "clip_grad_norm_", lambda *a, **k: engine.norm)
     method.optimizer, method.lr_scheduler = _NoStep(method.optimizer), _NoStep(method.lr_scheduler)
+    method.optimizer.step_was_skipped = False
     trainer.steps_in_backward = True
     return engine
 
@@ -824,3 +829,16 @@ def test_a_gradient_deepspeed_applied_is_not_called_skipped_and_is_never_saved(t
     assert engine.steps == 2 and not (out / "checkpoint-2").exists()
     assert "skipped step" not in caplog.text and trainer.skipped_steps == 0
     assert _ema(run).num_updates == 1
+
+
+def test_a_step_deepspeeds_loss_scaler_dropped_is_counted_for_the_ema_and_the_run_goes_on(tmp_path, latent_data, monkeypatch, caplog):
+    run = build("finetune", small_overrides(tmp_path / "out", latent_data, **{"training.loop.max_train_steps": 4}))
+    trainer = Trainer(run)
+    engine = fake_deepspeed(run, trainer, monkeypatch)
+    engine.overflow_at = {2}
+    with caplog.at_level(logging.INFO, logger="fv_accel.trainer"):
+        summary = trainer.run()
+    assert summary["final_step"] == 4 and summary["skipped_steps"] == 1 and engine.steps == 3
+    assert [h["skipped_steps"] for h in trainer.history] == [0, 1, 1, 1]
+    assert _ema(run).num_updates == 3
+    assert "step 2: DeepSpeed's loss scaler skipped the update (gradient overflow; 1 skipped in all)" in caplog.text
