@@ -145,8 +145,9 @@ class LoopConfig:
     # "rank": one generator per rank seeded seed+rank (FastVideo's);
     # "sample": noise/timesteps keyed by (seed, epoch, sample index), independent of process count.
     noise_rng: Literal["rank", "sample"] = "rank"
-    # Non-finite loss / grad norm: skip the step (counted) or stop with a checkpoint.
-    nan_policy: Literal["skip", "stop"] = "skip"
+    # Non-finite loss / grad norm: skip the step (counted) or stop with a checkpoint. "auto": skip,
+    # except under DeepSpeed, whose engine steps inside backward: stop (fv_accel.trainer.resolve_nan_policy).
+    nan_policy: Literal["auto", "skip", "stop"] = "auto"
     max_consecutive_skips: int = 5
 
 
