@@ -185,6 +185,26 @@ def test_family_is_found_and_reads_the_repo(hv15_dir):
     assert "hunyuan_video_15" in HunyuanVideo15Student.tiny_models()
 
 
+def test_image_to_video_repos_are_refused(hv15_dir, tmp_path):
+    """The i2v repos need SigLIP image embeddings and a first-frame condition latent: refused at
+    preprocessing and at training, naming the model."""
+    import json
+    import shutil
+
+    from fv_accel.models.hunyuan_video_15 import HunyuanVideo15Student
+
+    i2v = tmp_path / "i2v"
+    shutil.copytree(hv15_dir, i2v, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((i2v / "transformer" / "config.json").read_text())
+    (i2v / "transformer" / "config.json").write_text(json.dumps({**config, "task_type": "i2v"}))
+    with pytest.raises(ValueError, match="image-to-video model"):
+        HunyuanVideo15Student.encoding_spec(str(i2v))
+    assert HunyuanVideo15Student.encoding_spec(str(hv15_dir)).conditioning == ("text",)
+    (i2v / "transformer" / "diffusion_pytorch_model.safetensors").symlink_to(hv15_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(ValueError, match="image-to-video model"):
+        student_of(i2v)
+
+
 def test_encoder_stores_what_the_pipeline_computes(hv15_dir, stock_pipe):
     """encode_caption = the real tokens of the pipeline's own prompt embeddings (both encoders);
     the latent is the VAE's posterior mode."""

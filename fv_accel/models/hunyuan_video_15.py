@@ -47,16 +47,20 @@ PER_FRAME_REFUSAL = (
 )
 
 
+def _image_to_video_refusal(model: str) -> str:
+    return (
+        f"model '{model}' is a HunyuanVideo 1.5 image-to-video model: the hunyuan_video_15 family trains the "
+        f"text-to-video models (e.g. hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v)"
+    )
+
+
 def _check_text_to_video(model: str, revision: Optional[str]) -> None:
     """Only text-to-video repos: the image-to-video ones need a SigLIP image embedding and the first
     frame's condition latent, which this family does not compute."""
     index = fetch_config(model, None, revision=revision, required=False, filename="model_index.json") or {}
     transformer = fetch_config(model, "transformer", revision=revision, required=False) or {}
     if index.get("_class_name") == IMAGE_TO_VIDEO_PIPELINE or transformer.get("task_type") == "i2v":
-        raise ValueError(
-            f"model '{model}' is a HunyuanVideo 1.5 image-to-video model: the hunyuan_video_15 family trains "
-            f"the text-to-video models (e.g. hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v)"
-        )
+        raise ValueError(_image_to_video_refusal(model))
 
 
 class HunyuanVideo15Encoder(FamilyEncoder):
@@ -237,6 +241,10 @@ class HunyuanVideo15Student(DiffusersStudent):
         }
 
     # ---- training ----
+    def configure(self, config: Any) -> None:
+        if config.get("task_type") == "i2v":
+            raise ValueError(_image_to_video_refusal(self.student_config.init_from or "models.student.transformer_config"))
+
     def build_conditioning(self, batch: dict) -> Conditioning:
         """Both text sequences with their masks; a batch without `text_embedding_2` gets an empty
         (fully masked) glyph sequence, as the pipeline passes for a prompt without quoted text."""
