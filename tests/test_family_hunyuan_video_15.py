@@ -111,8 +111,6 @@ def test_stock_transformer_takes_one_timestep_per_sample(stock_pipe):
 # ---------------------------------------------------------------------------------------------
 
 CPU = torch.device("cpu")
-# The built-in tiny recipes name the Wan family and shift 3; these make them read the model folder.
-FAMILY_FROM_REPO = {"models.student.model_class": "auto", "models.student.flow_shift": None}
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +140,6 @@ def overrides(tmp, model, data, **extra):
         "training.tracker.trackers": ["none"],
         "callbacks.validation.enable": False,
         "callbacks.ema.enable": False,
-        **FAMILY_FROM_REPO,
     }
     over.update(extra)
     return over
@@ -152,7 +149,7 @@ def student_of(model, **extra):
     from fv_accel.config import default_recipe, load_config
     from fv_accel.models import build_student
 
-    cfg = load_config(default_recipe("finetune"), {"models.student.init_from": str(model), "callbacks.validation.enable": False, **FAMILY_FROM_REPO, **extra})
+    cfg = load_config(default_recipe("finetune"), {"models.student.init_from": str(model), "callbacks.validation.enable": False, **extra})
     torch.manual_seed(0)
     student = build_student(cfg)
     student.init_preprocessors(cfg.training)
@@ -182,7 +179,11 @@ def test_family_is_found_and_reads_the_repo(hv15_dir):
     spec = HunyuanVideo15Student.encoding_spec(str(hv15_dir))
     assert (spec.z_dim, spec.scale_factor_spatial, spec.scale_factor_temporal, spec.patch_size) == (32, 16, 4, (1, 1, 1))
     assert spec.bucket_problem([(64, 64)]) is None and spec.bucket_problem([(64, 72)]) is not None
-    assert "hunyuan_video_15" in HunyuanVideo15Student.tiny_models()
+    from fv_accel.tiny.registry import all_tiny_models
+
+    assert all_tiny_models()["hunyuan_video_15"].layout == "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v"
+    with pytest.raises(ValueError, match="models.student.guidance"):
+        student_of(hv15_dir, **{"models.student.guidance": 6.0})
 
 
 def test_image_to_video_repos_are_refused(hv15_dir, tmp_path):
@@ -306,7 +307,7 @@ def test_full_finetune_saves_a_transformer_the_stock_pipeline_runs(tmp_path, hv1
 
     pipe = DiffusionPipeline.from_pretrained(str(hv15_dir), transformer=saved)
     pipe.set_progress_bar_config(disable=True)
-    frames = pipe(prompt=CAPTION, num_frames=17, height=64, width=64, num_inference_steps=2,
+    frames = pipe(prompt=CAPTION, num_frames=17, height=64, width=64, num_inference_steps=1,
                   generator=torch.Generator().manual_seed(0), output_type="np").frames
     assert frames.shape == (1, 17, 64, 64, 3)
 
@@ -336,7 +337,7 @@ def test_lora_finetune_loads_into_the_stock_pipelines_transformer(tmp_path, hv15
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert any("transformer_blocks.0.attn.to_q" in k for k in changed), changed[:5]
     assert any("add_k_proj" in k for k in changed)
-    frames = pipe(prompt=CAPTION, num_frames=17, height=64, width=64, num_inference_steps=2,
+    frames = pipe(prompt=CAPTION, num_frames=17, height=64, width=64, num_inference_steps=1,
                   generator=torch.Generator().manual_seed(0), output_type="np").frames
     assert frames.shape == (1, 17, 64, 64, 3)
 

@@ -163,6 +163,7 @@ class HunyuanVideo15Student(DiffusersStudent):
         "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
     )
     per_frame_refusal = PER_FRAME_REFUSAL
+    latent_statistics_source = "vae/config.json (scaling_factor)"
 
     @classmethod
     def lora_pipeline_class(cls, kind: str) -> type:
@@ -227,23 +228,15 @@ class HunyuanVideo15Student(DiffusersStudent):
         broadcasts for a batch of one."""
         return torch.cat([vae.decode(z[None], return_dict=False)[0] for z in raw_latents])
 
-    @classmethod
-    def tiny_models(cls) -> dict:
-        from fv_accel.tiny.hunyuan_video_15 import LAYOUT, write_tiny_hunyuan_video_15
-        from fv_accel.tiny.registry import TinyModel
-
-        return {
-            "hunyuan_video_15": TinyModel(
-                summary="HunyuanVideo15Pipeline: Qwen2.5-VL + ByT5 text encoders, 32-channel 16x VAE, 65-channel transformer",
-                layout=LAYOUT,
-                write=write_tiny_hunyuan_video_15,
-            )
-        }
-
     # ---- training ----
     def configure(self, config: Any) -> None:
         if config.get("task_type") == "i2v":
             raise ValueError(_image_to_video_refusal(self.student_config.init_from or "models.student.transformer_config"))
+        if self.student_config.guidance is not None:
+            raise ValueError(
+                f"models.student.guidance: {self.student_config.guidance} is for a transformer with a guidance "
+                f"embedding; HunyuanVideo15Transformer3DModel has none (its pipeline guides with CFG): remove the key"
+            )
 
     def build_conditioning(self, batch: dict) -> Conditioning:
         """Both text sequences with their masks; a batch without `text_embedding_2` gets an empty

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
-import shutil
 from pathlib import Path
 
 import torch
+
+from fv_accel.tiny.model import TinyModel, save_tiny_pipeline
 
 LAYOUT = "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v"
 # The real 480p t2v repo's scheduler shift and guidance scale (diffusers' conversion script).
@@ -185,7 +185,7 @@ def _measured_scaling_factor(seed: int) -> float:
 def write_tiny_hunyuan_video_15(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the tiny model to `out_dir` (deterministic for a seed: the text encoder from seed + 1,
     the VAE seed + 2, the transformer seed + 3, the ByT5 encoder seed + 4) with the stock
-    pipeline's `save_pretrained`; returns the path."""
+    pipeline's `save_pretrained`, atomically; returns the path."""
     from diffusers import (
         ClassifierFreeGuidance,
         FlowMatchEulerDiscreteScheduler,
@@ -193,7 +193,6 @@ def write_tiny_hunyuan_video_15(out_dir: str | Path, seed: int = 0) -> Path:
         HunyuanVideo15Transformer3DModel,
     )
 
-    out = Path(out_dir)
     tokenizer = build_qwen_tokenizer()
     text_encoder = build_text_encoder(len(tokenizer), seed + 1)
     vae = build_vae(seed + 2)
@@ -210,24 +209,13 @@ def write_tiny_hunyuan_video_15(out_dir: str | Path, seed: int = 0) -> Path:
         tokenizer_2=tokenizer_2,
         guider=ClassifierFreeGuidance(guidance_scale=GUIDANCE_SCALE),
     )
-    # Written beside `out` and moved in with model_index.json last: a folder holding
-    # model_index.json is complete.
-    partial = out.parent / f".{out.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    pipeline.save_pretrained(partial, safe_serialization=True)
-    # transformers 5 records the class it built ("TokenizersBackend"); the public name loads the same.
-    index_path = partial / "model_index.json"
-    index = json.loads(index_path.read_text())
-    index["tokenizer"] = ["transformers", "PreTrainedTokenizerFast"]
-    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "model_index.json").unlink(missing_ok=True)
-    for child in sorted(partial.iterdir(), key=lambda p: p.name == "model_index.json"):
-        target = out / child.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
-        child.replace(target)
-    partial.rmdir()
-    return out
+    return save_tiny_pipeline(pipeline, out_dir)
+
+
+TINY_MODEL_ENTRIES = {
+    "hunyuan_video_15": TinyModel(
+        summary="HunyuanVideo15Pipeline: Qwen2.5-VL + ByT5 text encoders, 32-channel 16x VAE, 65-channel transformer",
+        layout=LAYOUT,
+        write=write_tiny_hunyuan_video_15,
+    )
+}
