@@ -18,7 +18,11 @@ What the pipeline does, and so what this family does:
 - Timesteps: one per sample. `timestep` [B] goes through diffusers' `Timesteps` (1-D only) to one
   [B, D] vector that modulates every block (AdaLayerNormZero) and the text token refiner; there is
   no per-frame or per-token path, so diffusion forcing is refused.
-- Sampling shift: the repo's scheduler config (`shift` 5.0 at 480p, 9.0 at 720p t2v).
+- Training shift: the repo's scheduler config (`shift` 5.0 at 480p, 9.0 at 720p t2v), unless the
+  recipe sets `models.student.flow_shift`; sample videos run the stock pipeline at validation's
+  sampling shift and guidance scale.
+- Text length: the loader keeps up to 512 tokens of each text column; the pipeline allows 1000
+  Qwen2.5-VL tokens (longer captions are cut at 512 in training).
 """
 
 from __future__ import annotations
