@@ -373,7 +373,7 @@ def build_from_config(
     changes = check_resume_compatible(resume_meta, method, cfg, resume) if resume_meta is not None else []
     if acc.is_main_process:
         logger.info(
-            "method %s | student %s (%s family) | training shift %s (models.student.flow_shift) | sampling shift "
+            "method %s | student %s (%s family) | training shift %s (models.student.flow_shift, else the family's) | sampling shift "
             "%.3g (callbacks.validation.sampling_flow_shift) | %d processes | mixed precision %s",
             cfg.method.name,
             type(student.transformer).__name__,

@@ -33,7 +33,8 @@ class LoraConfig:
     rank: int = 16
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    # None: the student family's own list (`lora_target_modules`; Wan: to_q, to_k, to_v, to_out.0).
+    target_modules: Optional[list[str]] = None
     init: Literal["default", "gaussian", "pissa"] = "default"
 
 

@@ -42,12 +42,23 @@ def test_recipe_resolves_with_its_variant_keys(name):
     assert cfg.training.checkpoint.output_dir == f"outputs/{name}"
 
 
+# Recipes of the other families -> the family's test file, which dry-runs each of them.
+FAMILY_RECIPES = {
+    "cosmos2_2b_video2world_lora": "test_family_cosmos2.py",
+    "cosmos2_2b_video2world_dfsft": "test_family_cosmos2.py",
+    "hunyuan_video_15_480p_t2v_lora": "test_family_hunyuan_video_15.py",
+    "hunyuan_video_15_480p_t2v_sft": "test_family_hunyuan_video_15.py",
+}
+
+
 def test_every_real_recipe_is_listed():
     real = {p.stem for p in (ROOT / "configs").glob("*.yaml")} - {
         "tiny_finetune", "tiny_dfsft", "tiny_dfsft_causal", "tiny_tfsft", "bench_small", "gpu_bench_1_3b",
         "gpu_check_small",
     }
-    assert real == set(WAN_RECIPES)
+    assert real == set(WAN_RECIPES) | set(FAMILY_RECIPES)
+    for name, test_file in FAMILY_RECIPES.items():
+        assert name in (ROOT / "tests" / test_file).read_text(), f"{test_file} does not dry-run {name}"
 
 
 @pytest.mark.parametrize("name", ["wan2_2_t2v_a14b_lora_low_noise", "wan2_2_ti2v_5b_dfsft", "wan2_1_i2v_14b_480p_lora"])

@@ -118,6 +118,10 @@ class LatentDataset(Dataset):
             texts["pooled_text_embedding"] = read_tensor_column(row, "pooled_text_embedding", where=where)
         if "text_embedding_2" in self.text_columns:
             second = read_tensor_column(row, "text_embedding_2", where=where)
+            shape = [int(v) for v in row.get("text_embedding_2_shape") or []]
+            if second is None and len(shape) == 2 and shape[0] == 0:
+                # A caption with none of the second encoder's tokens (stored [0, D2], no bytes).
+                second = torch.zeros(shape, dtype=torch.float32)
             if second is not None:
                 texts["text_embedding_2"], texts["text_attention_mask_2"] = pad_text(second.float(), self.text_max_length)
         texts = {k: v.float() if k != "text_attention_mask_2" else v for k, v in texts.items() if v is not None}

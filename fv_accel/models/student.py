@@ -10,6 +10,7 @@ repo's own scheduler config.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -104,8 +105,11 @@ class DiffusersStudent(ModelBase):
 
             if len(self.modules) > 1 and st.lora.init == "pissa":
                 raise ValueError("models.student.lora.init: pissa is supported for one transformer only")
+            lora = st.lora
+            if not lora.target_modules:
+                lora = dataclasses.replace(lora, target_modules=list(self.lora_target_modules))
             for module in self.modules:
-                self.pissa_init_adapter = apply_lora(module, st.lora)
+                self.pissa_init_adapter = apply_lora(module, lora)
         self.input_dtype = self.input_dtype_of(self.modules[0])
         self.after_setup()
         if cfg.training.model.enable_gradient_checkpointing_type == "full":
