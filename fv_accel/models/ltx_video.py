@@ -92,6 +92,92 @@ def token_timesteps(t: torch.Tensor, grid: tuple[int, int, int], patch_size_t: i
     return per_patch[:, :, 0].repeat_interleave(height * width, dim=1)
 
 
+class LTXCausalRotaryEmbedding(torch.nn.Module):
+    """Wraps an LTX transformer's `rope`: the (cos, sin) pair per token layout, tagged with the layout
+    for the block-causal processors (fv_accel.models.attention's `CausalRotary`).
+
+    LTX's rope takes the latent grid (num_frames, height, width) instead of a 5-D tensor; positions
+    for a layout come from the wrapped module itself: teacher forcing gives both halves frames
+    0..T-1, the KV cache a block frames s..s+n-1 (the first s + n frames' table, sliced).
+    """
+
+    def __init__(self, rope: torch.nn.Module, controller: Any):
+        super().__init__()
+        self.inner = rope
+        self.controller = controller
+
+    def forward(self, hidden_states, num_frames=None, height=None, width=None, rope_interpolation_scale=None, video_coords=None):
+        from fv_accel.models.attention import CausalRotary, TokenLayout
+
+        if video_coords is not None or num_frames is None:
+            raise ValueError("block-causal LTX attention needs the latent grid (num_frames, height, width), not video_coords")
+        tokens_per_frame = height * width
+        mode = self.controller.mode
+
+        def table(frames: int):
+            return self.inner(hidden_states, frames, height, width, rope_interpolation_scale)
+
+        if mode.kind == "sequence":
+            freqs = table(num_frames)
+            layout = TokenLayout("sequence", num_frames, tokens_per_frame)
+        elif mode.kind == "teacher_forcing":
+            if num_frames % 2:
+                raise ValueError(f"teacher forcing needs [clean | noisy] halves, got {num_frames} latent frames")
+            freqs = tuple(torch.cat([f, f], dim=1) for f in table(num_frames // 2))
+            layout = TokenLayout("teacher_forcing", num_frames, tokens_per_frame)
+        else:
+            start = mode.frame_offset * tokens_per_frame
+            freqs = tuple(f[:, start:] for f in table(mode.frame_offset + num_frames))
+            layout = TokenLayout("kv_cache", num_frames, tokens_per_frame, mode.frame_offset, mode.cache, mode.write_cache)
+        return CausalRotary(freqs, layout)
+
+
+class LTXCausalSelfAttnProcessor:
+    """Self-attention (`attn1`) of an LTX block under the controller's block-causal rule: LTX's own
+    projections, RMS norm across heads and rotary embedding (on the full width, before the heads
+    split), then `CausalAttention.attend`."""
+
+    def __init__(self, controller: Any, layer_index: int):
+        self.controller = controller
+        self.layer_index = layer_index
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
+
+        if encoder_hidden_states is not None:
+            raise RuntimeError("LTXCausalSelfAttnProcessor is for self-attention (attn1) only")
+        layout = getattr(image_rotary_emb, "layout", None)
+        if layout is None:
+            raise RuntimeError("block-causal attention needs the transformer's rope wrapped by install_ltx_causal_attention()")
+        query = attn.norm_q(attn.to_q(hidden_states))
+        key = attn.norm_k(attn.to_k(hidden_states))
+        value = attn.to_v(hidden_states)
+        query = apply_rotary_emb(query, image_rotary_emb)
+        key = apply_rotary_emb(key, image_rotary_emb)
+        # [B, L, H * D] -> [B, H, L, D] for the controller (SDPA / FlexAttention layout).
+        query, key, value = (x.unflatten(2, (attn.heads, -1)).transpose(1, 2) for x in (query, key, value))
+        out = self.controller.attend(query, key, value, layout, self.layer_index)
+        out = out.transpose(1, 2).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def install_ltx_causal_attention(transformer: torch.nn.Module, spec: Any, backend: str = "auto") -> Any:
+    """Make an `LTXVideoTransformer3DModel` block-causal over latent frames; returns the controller
+    (fv_accel.models.attention.CausalAttention: rule, backends, layouts, KV cache)."""
+    from fv_accel.models.attention import CausalAttention
+
+    if int(transformer.config.patch_size_t) != 1:
+        raise ValueError("block-causal attention over latent frames needs a temporal patch size of 1")
+    if isinstance(transformer.rope, LTXCausalRotaryEmbedding):
+        raise RuntimeError("block-causal attention is already installed on this transformer")
+    controller = CausalAttention(spec, backend)
+    transformer.rope = LTXCausalRotaryEmbedding(transformer.rope, controller)
+    for index, block in enumerate(transformer.transformer_blocks):
+        block.attn1.set_processor(LTXCausalSelfAttnProcessor(controller, index))
+    transformer.causal_attention = controller
+    return controller
+
+
 def _vae_weights_file(model: str, revision: Optional[str]) -> Path:
     """The VAE's safetensors file holding `latents_mean`/`latents_std` (single or sharded)."""
     local = Path(model)
