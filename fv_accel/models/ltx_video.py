@@ -306,20 +306,15 @@ class LTXVideoStudent(DiffusersStudent):
 
         return LTXPipeline
 
-    # Original LTX-Video names (ComfyUI's LTXV model and its LoRA files) of the diffusers modules that
+    # Original LTX-Video names (ComfyUI's LTXV model, its LoRA files) of the diffusers modules that
     # differ; every other module (attention projections, feed-forward, caption projection, proj_out)
     # keeps its name. diffusers' single-file converter renames these the other way.
-    COMFYUI_RENAMES = (("proj_in", "patchify_proj"), ("time_embed", "adaln_single"))
+    COMFYUI_RENAMES = {"proj_in": "patchify_proj", "time_embed": "adaln_single", "norm_q": "q_norm", "norm_k": "k_norm"}
 
     @classmethod
     def comfyui_module_name(cls, module: str) -> str:
         """diffusers module name -> ComfyUI's (LoRA keys `diffusion_model.<name>.lora_down.weight`)."""
-        for diffusers_name, original in cls.COMFYUI_RENAMES:
-            if module == diffusers_name or module.startswith(diffusers_name + "."):
-                return original + module[len(diffusers_name):]
-        if module.split(".")[-1] in ("norm_q", "norm_k"):
-            raise ValueError(f"LoRA on module '{module}' (an RMSNorm) has no ComfyUI LoRA name")
-        return module
+        return ".".join(cls.COMFYUI_RENAMES.get(part, part) for part in module.split("."))
 
     # ---- preprocessing / validation ----
     @classmethod
