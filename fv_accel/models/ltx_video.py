@@ -291,12 +291,13 @@ def load_t5(model: str, *, revision: Optional[str] = None, torch_dtype: torch.dt
 
 @register_family
 class LTXVideoStudent(DiffusersStudent):
-    """LTX-Video 0.9.x text-to-video: FineTune and DFSFT (per-token timesteps)."""
+    """LTX-Video 0.9.x text-to-video: FineTune, DFSFT (per-token timesteps) and causal DFSFT
+    (`models.student.causal`: block-causal self-attention, block = method.chunk_size)."""
 
     family = "ltx_video"
     transformer_classes = {"ltx_video": LTXVideoTransformer3DModel}
     pipeline_class_names = ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline")
-    capabilities = Capabilities(per_frame_timesteps=True, causal_attention=False, image_conditioning=False)
+    capabilities = Capabilities(per_frame_timesteps=True, causal_attention=True, image_conditioning=False)
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
     frame_rate = LTX_FRAME_RATE
 
@@ -389,6 +390,17 @@ class LTXVideoStudent(DiffusersStudent):
             )
         }
 
+    def install_causal_attention(self, cfg: Any) -> None:
+        """Block-causal self-attention (fv_accel/models/attention.py's rule and backends, LTX's own
+        rotary embedding and projections), block size = method.chunk_size."""
+        from fv_accel.config import parse_chunk_size
+        from fv_accel.models.attention import CausalSpec
+
+        st = self.student_config
+        self.causal_block_size = parse_chunk_size(cfg.method.chunk_size)
+        spec = CausalSpec(self.causal_block_size, st.local_attn_size, st.sink_size)
+        self.causal_attention = install_ltx_causal_attention(self.transformer, spec, st.causal_attention_backend)
+
     # ---- geometry ----
     def _vae_factors(self) -> tuple[int, int]:
         if getattr(self, "_factors", None) is None:
@@ -418,7 +430,7 @@ class LTXVideoStudent(DiffusersStudent):
         if frames % pt or height % p or width % p:
             raise ValueError(f"latents {tuple(x_t.shape)} do not split into patches of {pt}x{p}x{p}")
         grid = (frames // pt, height // p, width // p)
-        dtype = self.transformer.proj_in.weight.dtype
+        dtype = self.input_dtype
         mask = cond.text_mask
         if mask is None:
             mask = torch.ones(cond.text.shape[:2], device=cond.text.device)
@@ -460,8 +472,14 @@ class LTXVideoStudent(DiffusersStudent):
 
         if first_frame is not None:
             raise ValueError("the LTX-Video family samples text-to-video only (no first frame)")
-        config = getattr(self, "scheduler_config", None)
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config) if config else sampling_scheduler(shift)
+        config = self.scheduler_config
+        if config:
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+            if config.get("use_dynamic_shifting") and not getattr(self, "_told_shift", False):
+                logger.info("LTX-Video samples with its repo's resolution-dependent shift; the sampling shift %s is unused", shift)
+                self._told_shift = True
+        else:
+            scheduler = sampling_scheduler(shift)
         pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=self.transformer)
 
         def mask_of(c: Conditioning) -> torch.Tensor:
