@@ -232,10 +232,14 @@ def test_per_frame_timesteps_reach_each_frames_tokens_and_only_them(ltx):
 def test_lora_finetune_writes_files_the_stock_pipeline_loads_and_that_change_its_weights(tmp_path, ltx):
     model, data = ltx
     run = build_from_config(default_recipe("finetune"), run_overrides(tmp_path, model, data, **{"models.student.lora.enable": True}))
-    losses = []
     Trainer(run).run()
     out = tmp_path / "out"
     assert (out / "pytorch_lora_weights.safetensors").is_file()
+    from safetensors.torch import load_file
+
+    comfy = load_file(str(out / "pytorch_lora_weights_comfyui.safetensors"))
+    assert "diffusion_model.transformer_blocks.0.attn1.to_q.lora_down.weight" in comfy
+    assert "diffusion_model.transformer_blocks.1.attn2.to_out.0.alpha" in comfy
     pipe = stock_pipeline(model)
     before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
     pipe.load_lora_weights(str(out), adapter_name="trained")
@@ -245,7 +249,6 @@ def test_lora_finetune_writes_files_the_stock_pipeline_loads_and_that_change_its
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert changed and all(k.rsplit(".", 2)[-2] in ("to_q", "to_k", "to_v", "0") for k in changed)
     assert video_frames(pipe, prompt="a red ball moving left") == (1, 17, 64, 64, 3)
-    del losses
 
 
 def test_full_finetune_saves_a_transformer_the_stock_pipeline_runs(tmp_path, ltx):
@@ -323,31 +326,32 @@ def test_ltx_recipes_resolve(name):
 # ---- block-causal attention ----
 
 
-def test_block_causal_ltx_attention_hides_later_blocks_and_matches_full_attention_at_one_block(ltx):
-    from fv_accel.models.attention import CausalSpec
-    from fv_accel.models.ltx_video import install_ltx_causal_attention
-
+def test_block_causal_ltx_student_hides_later_blocks_and_matches_full_attention_at_one_block(ltx):
     model, data = ltx
-    student, _ = student_and_method(model)
-    cond = student.build_conditioning(one_batch(data))
+    full_student, _ = student_and_method(model, "dfsft", **{"method.chunk_size": 2})
+    cond = full_student.build_conditioning(one_batch(data))
     torch.manual_seed(0)
     x = torch.randn(1, 16, 4, 2, 2)
     t = torch.tensor([[300.0, 300.0, 700.0, 700.0]])
     later = x.clone()
     later[:, :, 2:] += 1.0  # only block 1 (frames 2, 3) differs
+
+    def causal(block: int, backend: str):
+        student, _ = student_and_method(
+            model, "dfsft",
+            **{"models.student.causal": True, "method.chunk_size": block, "models.student.causal_attention_backend": backend},
+        )
+        assert student.causal_block_size == block and student.causal_spec().block_size == block
+        with torch.no_grad():
+            return student.forward(x, t, cond), student.forward(later, t, cond)
+
     with torch.no_grad():
-        full = student.forward(x, t, cond)
-        controller = install_ltx_causal_attention(student.transformer, CausalSpec(4), "chunked")
-        one_block = student.forward(x, t, cond)  # one block spanning the clip: full attention
-        outputs = {}
-        for backend in ("chunked", "dense"):
-            controller.spec, controller.backend = CausalSpec(2), backend
-            controller._plans.clear()
-            controller._visibility.clear()
-            outputs[backend] = (student.forward(x, t, cond), student.forward(later, t, cond))
+        full = full_student.forward(x, t, cond)
+    one_block, _ = causal(4, "chunked")  # one block spanning the clip: full attention
     torch.testing.assert_close(one_block, full, rtol=1e-5, atol=1e-6)
-    causal, moved = outputs["chunked"]
-    assert torch.equal(causal[:, :, :2], moved[:, :, :2])  # block 0 cannot see block 1
-    assert float((causal[:, :, 2:] - moved[:, :, 2:]).abs().max()) > 1e-3
-    assert float((causal[:, :, :2] - full[:, :, :2]).abs().max()) > 1e-4  # and it did see it before
-    torch.testing.assert_close(outputs["dense"][0], causal, rtol=1e-5, atol=1e-6)
+    out, moved = causal(2, "chunked")
+    assert torch.equal(out[:, :, :2], moved[:, :, :2])  # block 0 cannot see block 1
+    assert float((out[:, :, 2:] - moved[:, :, 2:]).abs().max()) > 1e-3
+    assert float((out[:, :, :2] - full[:, :, :2]).abs().max()) > 1e-4  # with full attention it did
+    flex, _ = causal(2, "flex")  # FlexAttention's BlockMask (forward only on the CPU)
+    torch.testing.assert_close(flex, out, rtol=1e-5, atol=1e-6)

@@ -299,6 +299,7 @@ class LTXVideoStudent(DiffusersStudent):
     pipeline_class_names = ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline")
     capabilities = Capabilities(per_frame_timesteps=True, causal_attention=True, image_conditioning=False)
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
+    comfyui_lora = True
     frame_rate = LTX_FRAME_RATE
 
     @classmethod
@@ -376,19 +377,6 @@ class LTXVideoStudent(DiffusersStudent):
         if vae.config.timestep_conditioning:
             timestep = torch.zeros(raw_latents.shape[0], device=raw_latents.device, dtype=raw_latents.dtype)
         return vae.decode(raw_latents, timestep, return_dict=False)[0]
-
-    @classmethod
-    def tiny_models(cls) -> dict:
-        from fv_accel.tiny.ltx_video import write_tiny_ltx_video
-        from fv_accel.tiny.registry import TinyModel
-
-        return {
-            "ltx_video": TinyModel(
-                summary="LTXPipeline: T5, AutoencoderKLLTXVideo (32x spatial, 8x temporal), LTXVideoTransformer3DModel",
-                layout="Lightricks/LTX-Video",
-                write=lambda out, seed: write_tiny_ltx_video(out, seed),
-            )
-        }
 
     def install_causal_attention(self, cfg: Any) -> None:
         """Block-causal self-attention (fv_accel/models/attention.py's rule and backends, LTX's own

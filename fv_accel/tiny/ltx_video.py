@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from fv_accel.tiny.model import TinyModel
+
 # Lightricks/LTX-Video scheduler/scheduler_config.json (0.9.x): the keys LTXPipeline reads for `mu`
 # and the terminal stretch of its sampling sigmas.
 LTX_SCHEDULER_CONFIG = dict(
@@ -159,3 +161,13 @@ def write_tiny_ltx_video(out_dir: str | Path, seed: int = 0) -> Path:
         child.replace(target)
     partial.rmdir()
     return out
+
+
+# `python -m fv_accel.tiny_model DIR --model ltx_video` (fv_accel.tiny.registry collects these).
+TINY_MODEL_ENTRIES = {
+    "ltx_video": TinyModel(
+        summary="LTXPipeline: T5, AutoencoderKLLTXVideo (32x spatial, 8x temporal), LTXVideoTransformer3DModel",
+        layout="Lightricks/LTX-Video",
+        write=write_tiny_ltx_video,
+    )
+}
