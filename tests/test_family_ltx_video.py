@@ -355,3 +355,15 @@ def test_block_causal_ltx_student_hides_later_blocks_and_matches_full_attention_
     assert float((out[:, :, :2] - full[:, :, :2]).abs().max()) > 1e-4  # with full attention it did
     flex, _ = causal(2, "flex")  # FlexAttention's BlockMask (forward only on the CPU)
     torch.testing.assert_close(flex, out, rtol=1e-5, atol=1e-6)
+
+
+def test_ltx_dfsft_recipe_dry_run_resolves():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "train_dfsft.py", "--config", "configs/ltx_video_0_9_5_dfsft.yaml", "--dry-run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Lightricks/LTX-Video-0.9.5" in out.stdout and "chunk_size: 4" in out.stdout
