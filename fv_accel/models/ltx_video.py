@@ -1,21 +1,22 @@
 """The LTX-Video family: `LTXVideoTransformer3DModel` (Lightricks/LTX-Video 0.9.x, diffusers layout).
 
-What differs from the contract's [B, C, T, H, W] view, and where it is converted (all in `forward`):
-- The transformer takes packed tokens [B, S, C * pt * p * p] (`LTXPipeline._pack_latents`, frame-major:
-  S = T/pt * H/p * W/p) plus the latent grid (`num_frames`, `height`, `width`) and returns packed
-  tokens, unpacked here with `LTXPipeline._unpack_latents`.
-- Its rotary positions are scaled by `rope_interpolation_scale = (temporal VAE factor / frame rate,
-  spatial factor, spatial factor)`, as LTXPipeline computes it (frame rate 25, its default).
-- Timesteps: [B] or one per token [B, S] (its AdaLN runs per token). A per-frame [B, T] becomes
-  per token by repeating each frame's value over its H/p * W/p tokens. Values are sigma * 1000, as
-  LTXPipeline feeds `scheduler.timesteps`; the output is the flow velocity eps - x0 (the pipeline
-  steps `FlowMatchEulerDiscreteScheduler` with it), so no conversion of either is needed.
-- The text condition is T5 hidden states with an attention mask (`encoder_attention_mask`).
-- Latents are normalised as LTXPipeline does: (x - latents_mean) * scaling_factor / latents_std, with
-  the VAE's `latents_mean`/`latents_std` *buffers* (in its safetensors file, not its config).
-- Training shift: the repo's scheduler shifts by resolution (`use_dynamic_shifting`): mu from the
-  token count (diffusers' `calculate_shift` with base/max shift and sequence lengths), the same
-  sigma map as a static shift exp(mu).
+What differs from the contract's view, and where it is handled:
+- `forward`: the transformer takes packed tokens [B, S, C * pt * p * p] (`LTXPipeline._pack_latents`,
+  frame-major: S = T/pt * H/p * W/p) plus the latent grid (`num_frames`, `height`, `width`) and
+  returns packed tokens, unpacked with `LTXPipeline._unpack_latents`.
+- `forward`: rotary positions are scaled by `rope_interpolation_scale = (temporal VAE factor / frame
+  rate, spatial factor, spatial factor)`, as LTXPipeline computes it at its default frame rate 25.
+- `forward`: timesteps are [B] or one per token [B, S] (its AdaLN runs per token); a per-frame [B, T]
+  becomes per token by repeating each frame's value over its H/p * W/p tokens. Values are
+  sigma * 1000, as LTXPipeline feeds `scheduler.timesteps`, and the output is the flow velocity
+  eps - x0 (the pipeline steps `FlowMatchEulerDiscreteScheduler` with it): neither is converted.
+- `forward`: the text condition is T5 hidden states with their attention mask (`encoder_attention_mask`).
+- `latent_statistics`: latents are normalised as LTXPipeline does, (x - latents_mean) * scaling_factor
+  / latents_std, with the VAE's `latents_mean`/`latents_std` *buffers* (in its safetensors file).
+- Training shift (the generic student's): the repo's scheduler shifts by resolution
+  (`use_dynamic_shifting`), mu from the token count, the same sigma map as a static shift exp(mu).
+- `install_causal_attention`: block-causal self-attention uses fv_accel.models.attention's rule and
+  backends through LTX's own rotary embedding and attention projections (LTXCausal* below).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from fv_accel.models.student import DiffusersStudent
 logger = logging.getLogger(__name__)
 
 # LTXPipeline's default `frame_rate`: with the VAE's 8x time compression it sets the temporal rotary
-# scale (8 / 25) the released models were sampled with.
+# scale (8 / 25) of its samples; training uses the same scale whatever the clips' frame rate.
 LTX_FRAME_RATE = 25
 # LTXPipeline's default `max_sequence_length` for the T5 prompt.
 LTX_TEXT_MAX_LENGTH = 128
