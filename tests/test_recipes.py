@@ -44,6 +44,9 @@ def test_recipe_resolves_with_its_variant_keys(name):
 
 # Recipes of the other families -> the family's test file, which dry-runs each of them.
 FAMILY_RECIPES = {
+    "ltx_video_lora": "test_family_ltx_video.py",
+    "ltx_video_0_9_5_lora": "test_family_ltx_video.py",
+    "ltx_video_0_9_5_dfsft": "test_family_ltx_video.py",
     "cosmos2_2b_video2world_lora": "test_family_cosmos2.py",
     "cosmos2_2b_video2world_dfsft": "test_family_cosmos2.py",
     "hunyuan_video_15_480p_t2v_lora": "test_family_hunyuan_video_15.py",

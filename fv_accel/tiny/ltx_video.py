@@ -1,0 +1,173 @@
+"""A seeded tiny LTX-Video model in the diffusers layout of Lightricks/LTX-Video (0.9.x), for offline tests.
+
+    python -m fv_accel.tiny_model DIR --model ltx_video
+
+The folder holds what `LTXPipeline.from_pretrained(DIR)` reads: a T5 encoder (T5EncoderModel) and
+its tokenizer, an `AutoencoderKLLTXVideo` with the real geometry (pixels patchified 4x4, three
+spatio-temporal downsamplings: 32x spatial, 8x temporal, so frame counts are 8k + 1) whose
+`latents_mean`/`latents_std` buffers are measured on procedural clips and whose decoder is
+timestep-conditioned (as from LTX-Video 0.9.1 on), an `LTXVideoTransformer3DModel` (patch 1x1x1) and
+the repo's `FlowMatchEulerDiscreteScheduler` config (resolution-dependent shift: `use_dynamic_shifting`
+with `base_shift`/`max_shift` over `base_image_seq_len`..`max_image_seq_len` tokens, `shift_terminal`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from fv_accel.tiny.model import TinyModel
+
+# Lightricks/LTX-Video scheduler/scheduler_config.json (0.9.x): the keys LTXPipeline reads for `mu`
+# and the terminal stretch of its sampling sigmas.
+LTX_SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.95,
+    max_shift=2.05,
+    base_image_seq_len=1024,
+    max_image_seq_len=4096,
+    shift_terminal=0.1,
+)
+
+TINY_LTX_TEXT_DIM = 32
+TINY_LTX_LATENT_CHANNELS = 16
+# LTX-Video's VAE: 4x4 pixel patches, then three blocks that halve time, height and width (the
+# fourth keeps the size): 32x spatial, 8x temporal, causal encoder. Toy widths and depths.
+TINY_LTX_VAE_CONFIG = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=TINY_LTX_LATENT_CHANNELS,
+    block_out_channels=(8, 8, 16, 16),
+    # One width through the decoder: a timestep-conditioned up block that changes width gets an
+    # input resnet fed the raw timestep, which diffusers' decoder cannot run.
+    decoder_block_out_channels=(16, 16, 16, 16),
+    layers_per_block=(1, 1, 1, 1, 1),
+    decoder_layers_per_block=(1, 1, 1, 1, 1),
+    spatio_temporal_scaling=(True, True, True, False),
+    decoder_spatio_temporal_scaling=(True, True, True, False),
+    decoder_inject_noise=(False, False, False, False, False),
+    timestep_conditioning=True,
+    patch_size=4,
+    patch_size_t=1,
+    encoder_causal=True,
+    decoder_causal=False,
+)
+# LTXVideoTransformer3DModel at toy size: caption_channels is the T5 width; cross-attention runs at
+# the transformer's width (as in the real model: 2048 = 32 heads x 64).
+TINY_LTX_TRANSFORMER_CONFIG = dict(
+    in_channels=TINY_LTX_LATENT_CHANNELS,
+    out_channels=TINY_LTX_LATENT_CHANNELS,
+    patch_size=1,
+    patch_size_t=1,
+    num_attention_heads=2,
+    attention_head_dim=16,
+    cross_attention_dim=32,
+    num_layers=2,
+    caption_channels=TINY_LTX_TEXT_DIM,
+)
+
+
+def build_tiny_t5(vocab_size: int, seed: int):
+    """A T5 v1.1-style encoder (gated GELU feed-forward), as LTX-Video's T5-XXL at toy size."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=vocab_size,
+        d_model=TINY_LTX_TEXT_DIM,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return T5EncoderModel(config).eval()
+
+
+def build_tiny_ltx_vae(seed: int):
+    from diffusers import AutoencoderKLLTXVideo
+
+    torch.manual_seed(seed)
+    return AutoencoderKLLTXVideo(**TINY_LTX_VAE_CONFIG).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_ltx_latent_stats(seed: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean/std of the tiny VAE's latents (the posterior's mode) over procedural clips
+    of 17 frames at 64x64, so that its `latents_mean`/`latents_std` buffers describe its own latent
+    space as LTX-Video's describe LTX-Video's."""
+    from fv_accel.tiny.clips import render_clip, tiny_clip_specs
+
+    vae = build_tiny_ltx_vae(seed)
+    clips = [render_clip(spec, num_frames=17, height=64, width=64) for spec in tiny_clip_specs(8, seed=123)]
+    video = torch.stack([torch.from_numpy(c).permute(3, 0, 1, 2) for c in clips]).float() / 127.5 - 1.0
+    with torch.no_grad():
+        z = vae.encode(video).latent_dist.mode()  # [B, C, T, H, W]
+    mean = z.mean(dim=(0, 2, 3, 4))
+    std = z.std(dim=(0, 2, 3, 4)).clamp_min(1e-4)
+    return tuple(round(float(v), 6) for v in mean), tuple(round(float(v), 6) for v in std)
+
+
+def write_tiny_ltx_video(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the tiny LTX-Video model to `out_dir` with `LTXPipeline.save_pretrained`; returns its path.
+
+    Deterministic for a given seed: the tokenizer, then the text encoder (seed + 1), the VAE
+    (seed + 2) and the transformer (seed + 3), each drawn from its own seed.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+
+    from fv_accel.tiny.model import build_tiny_tokenizer
+
+    out = Path(out_dir)
+    tokenizer = build_tiny_tokenizer()
+    text_encoder = build_tiny_t5(len(tokenizer), seed + 1)
+    vae = build_tiny_ltx_vae(seed + 2)
+    mean, std = tiny_ltx_latent_stats(seed + 2)
+    # LTX keeps its statistics as persistent buffers (saved in the safetensors file), not in the config.
+    vae.latents_mean.copy_(torch.tensor(mean))
+    vae.latents_std.copy_(torch.tensor(std))
+    torch.manual_seed(seed + 3)
+    transformer = LTXVideoTransformer3DModel(**TINY_LTX_TRANSFORMER_CONFIG)
+    scheduler = FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER_CONFIG)
+    pipeline = LTXPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+    # Written beside `out` and moved in with model_index.json last: a folder holding
+    # model_index.json is complete.
+    partial = out.parent / f".{out.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    pipeline.save_pretrained(partial, safe_serialization=True)
+    index_path = partial / "model_index.json"
+    index = json.loads(index_path.read_text())
+    # transformers 5 records the class it built ("TokenizersBackend"); the public name loads it anywhere.
+    index["tokenizer"] = ["transformers", "PreTrainedTokenizerFast"]
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model_index.json").unlink(missing_ok=True)
+    for child in sorted(partial.iterdir(), key=lambda p: p.name == "model_index.json"):
+        target = out / child.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        child.replace(target)
+    partial.rmdir()
+    return out
+
+
+# `python -m fv_accel.tiny_model DIR --model ltx_video` (fv_accel.tiny.registry collects these).
+TINY_MODEL_ENTRIES = {
+    "ltx_video": TinyModel(
+        summary="LTXPipeline: T5, AutoencoderKLLTXVideo (32x spatial, 8x temporal), LTXVideoTransformer3DModel",
+        layout="Lightricks/LTX-Video",
+        write=write_tiny_ltx_video,
+    )
+}
