@@ -431,15 +431,6 @@ def validate(cfg: RunConfig, source: str) -> None:
         side = getattr(data, key)
         if side is not None and (side <= 0 or side % 8):
             raise bad(f"training.data.{key}", side, "a positive multiple of 8 pixels (or null)")
-    if data.num_frames is not None and data.num_latent_t is not None:
-        latent_t = (data.num_frames - 1) // 4 + 1
-        if latent_t != data.num_latent_t:
-            raise bad(
-                "training.data.num_latent_t",
-                data.num_latent_t,
-                f"{latent_t} for training.data.num_frames {data.num_frames} (the VAE makes (frames - 1) / 4 + 1 "
-                "latent frames), or null",
-            )
     ck = cfg.training.checkpoint
     if ck.training_state_checkpointing_steps < 0:
         raise bad(

@@ -379,8 +379,14 @@ def test_num_latent_t_height_width_filter_the_rows(tmp_path):
         f"{data}: no row has the shape that training.data.num_frames 13 asks for: its latents are 4 x [16, 3, 4, 4] "
         "(9 frames, 32x32), 2 x [16, 2, 4, 4] (5 frames, 32x32); set these keys to the data's sizes, or to null",
     )
-    with pytest.raises(ConfigError, match=r"key 'training\.data\.num_latent_t': expected 21 for training\.data\.num_frames 81"):
-        load_config(default_recipe("finetune"), {"training.data.num_frames": 81, "training.data.num_latent_t": 20})
+    # Frames and latent frames must agree for the data's own VAE (this one compresses time by 4).
+    build_fails(
+        "finetune",
+        small_overrides(tmp_path / "out2", data, **{"training.data.num_frames": 81, "training.data.num_latent_t": 20}),
+        ValueError,
+        "training.data.num_latent_t 20 contradicts training.data.num_frames 81: this data's VAE makes "
+        "(frames - 1) / 4 + 1 = 21 latent frames",
+    )
 
 
 def test_trust_remote_code_true_is_refused():

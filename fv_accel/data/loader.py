@@ -453,34 +453,49 @@ def build_train_loader(
 
 
 # Wan's VAE: 4x in time (T = (frames - 1) / 4 + 1) and 8x in space.
+# The Wan 2.1 VAE's compression: what a dataset without a recorded one was made with.
 VAE_TEMPORAL, VAE_SPATIAL = 4, 8
 
 
-def wanted_latent_shape(data) -> dict[str, tuple[str, int]]:
+def vae_factors(data_path: Any) -> tuple[int, int]:
+    """(temporal, spatial) compression of the VAE that encoded a dataset, as preprocessing recorded it
+    in fv_dataset.json (Wan 2.1's 4 and 8 where it did not)."""
+    info = read_dataset_info(data_path) if data_path and Path(str(data_path)).exists() else {}
+    return int(info.get("scale_factor_temporal") or VAE_TEMPORAL), int(info.get("scale_factor_spatial") or VAE_SPATIAL)
+
+
+def wanted_latent_shape(data, temporal: int = VAE_TEMPORAL, spatial: int = VAE_SPATIAL) -> dict[str, tuple[str, int]]:
     """The latent sizes the recipe's `training.data.num_latent_t / num_frames / num_height /
-    num_width` ask for: axis of (C, T, H, W) -> (the key, the latent size)."""
+    num_width` ask for, for a VAE of this compression: axis of (C, T, H, W) -> (the key, the latent size)."""
     wanted: dict[str, tuple[str, int]] = {}
     if data.num_latent_t is not None:
         wanted["T"] = ("num_latent_t", int(data.num_latent_t))
+        if data.num_frames is not None and (int(data.num_frames) - 1) // temporal + 1 != int(data.num_latent_t):
+            raise ValueError(
+                f"training.data.num_latent_t {data.num_latent_t} contradicts training.data.num_frames "
+                f"{data.num_frames}: this data's VAE makes (frames - 1) / {temporal} + 1 = "
+                f"{(int(data.num_frames) - 1) // temporal + 1} latent frames; set one of them, or both to agree"
+            )
     elif data.num_frames is not None:
-        wanted["T"] = ("num_frames", (int(data.num_frames) - 1) // VAE_TEMPORAL + 1)
+        wanted["T"] = ("num_frames", (int(data.num_frames) - 1) // temporal + 1)
     if data.num_height is not None:
-        wanted["H"] = ("num_height", int(data.num_height) // VAE_SPATIAL)
+        wanted["H"] = ("num_height", int(data.num_height) // spatial)
     if data.num_width is not None:
-        wanted["W"] = ("num_width", int(data.num_width) // VAE_SPATIAL)
+        wanted["W"] = ("num_width", int(data.num_width) // spatial)
     return wanted
 
 
-def _shape_text(shape: Sequence[int]) -> str:
+def _shape_text(shape: Sequence[int], temporal: int = VAE_TEMPORAL, spatial: int = VAE_SPATIAL) -> str:
     c, t, h, w = shape
-    return f"[{c}, {t}, {h}, {w}] ({(t - 1) * VAE_TEMPORAL + 1} frames, {h * VAE_SPATIAL}x{w * VAE_SPATIAL})"
+    return f"[{c}, {t}, {h}, {w}] ({(t - 1) * temporal + 1} frames, {h * spatial}x{w * spatial})"
 
 
 def shape_filter_exclusions(dataset, data, *, log: bool = True) -> list[int]:
     """Rows whose latent shape differs from what `training.data.num_latent_t / num_frames /
     num_height / num_width` ask for (FastVideo recipes carry them): they are left out of training,
     with a warning counting them by shape; none left is an error naming the keys and the shapes found."""
-    wanted = wanted_latent_shape(data)
+    temporal, spatial = vae_factors(getattr(dataset, "data_path", None))
+    wanted = wanted_latent_shape(data, temporal, spatial)
     if not wanted:
         return []
     axis = {"T": 1, "H": 2, "W": 3}
@@ -491,7 +506,7 @@ def shape_filter_exclusions(dataset, data, *, log: bool = True) -> list[int]:
     asked = ", ".join(f"training.data.{key} {getattr(data, key)}" for key, _ in wanted.values())
     asked += " asks" if len(wanted) == 1 else " ask"
     found = Counter(shapes[i] for i in off)
-    listing = ", ".join(f"{n} x {_shape_text(shape)}" for shape, n in found.most_common(4))
+    listing = ", ".join(f"{n} x {_shape_text(shape, temporal, spatial)}" for shape, n in found.most_common(4))
     more = f" and {len(found) - 4} other shape(s)" if len(found) > 4 else ""
     if len(off) == len(shapes):
         raise ValueError(
