@@ -109,6 +109,20 @@ def _pair_counts(tokens: list[str]) -> dict[tuple[str, str], int]:
     return counts
 
 
+def _apply_last_merge(tokens: list[str], left: str, right: str) -> list[str]:
+    """The tokens after a BPE merge ranked last: its pair merged left to right, without overlaps."""
+    out: list[str] = []
+    i = 0
+    while i < len(tokens):
+        if i + 1 < len(tokens) and tokens[i] == left and tokens[i + 1] == right:
+            out.append(left + right)
+            i += 2
+        else:
+            out.append(tokens[i])
+            i += 1
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def tiny_llama_vocab() -> tuple[dict, tuple]:
     """The tiny Llama tokenizer's (vocab, merges): characters, byte fallback, the tiny caption words
@@ -158,7 +172,8 @@ def tiny_llama_vocab() -> tuple[dict, tuple]:
         _, (left, right) = candidates[0]
         vocab.setdefault(left + right, len(vocab))
         merges.append((left, right))
-        tokens = prefix_tokens()
+        tokens = _apply_last_merge(tokens, left, right)
+    tokens = prefix_tokens()  # the real tokenizer agrees
     if len(tokens) != crop_start:
         raise RuntimeError(f"the template prefix is {len(tokens)} tokens, expected {crop_start}")
     return vocab, tuple(merges)
