@@ -176,7 +176,7 @@ def prepare_dataset(work_dir: Path, size: BenchSize, rows: int) -> tuple[str, st
     folder = Path(work_dir) / "data" / f"{size.name}_{'x'.join(map(str, size.latent_shape))}_{rows}"
     channels = int(size.latent_shape[0])
     folder.mkdir(parents=True, exist_ok=True)
-    write_dataset_info(folder, model=None, vae_config={"latents_mean": [0.0] * channels, "latents_std": [1.0] * channels})
+    write_dataset_info(folder, model=None, latent_stats=([0.0] * channels, [1.0] * channels))
     if datasets_available():
         path = write_latent_dataset(folder, size, rows)
         # Open it once here: `datasets` converts Parquet to its Arrow cache on first use, and that
@@ -445,7 +445,11 @@ class BareLoop:
         )
         self.x0 = batch["vae_latent"].to(device=device, dtype=torch.float32)
         self.text = batch["text_embedding"].to(device=device, dtype=torch.float32)
-        self.shift = float(cfg.models.student.flow_shift)
+        # The bare loop trains the Wan transformer: the Wan family's training shift.
+        from fv_accel.models.wan import WanStudent
+
+        shift = cfg.models.student.flow_shift
+        self.shift = float(WanStudent.default_flow_shift if shift is None else shift)
         self.device = device
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
         self.generator = torch.Generator(device=device).manual_seed(cfg.training.data.seed)

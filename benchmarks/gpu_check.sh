@@ -74,7 +74,7 @@ if not (folder / "data-00000.parquet").is_file():
     ]
     write_rows(rows, folder / "data-00000.parquet")
     # Random latents are drawn normalised: statistics 0 and 1.
-    write_dataset_info(folder, model=None, vae_config={"latents_mean": [0.0] * shape[0], "latents_std": [1.0] * shape[0]})
+    write_dataset_info(folder, model=None, latent_stats=([0.0] * shape[0], [1.0] * shape[0]))
 print(f"{cfg.training.loop.max_train_steps} clips, latent {shape}")
 EOF
 

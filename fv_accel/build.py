@@ -221,8 +221,8 @@ def resolve_data_path(cfg: RunConfig, accelerator) -> str:
 
 
 def _latent_stats_from_dataset(cfg: RunConfig, data_path: str) -> None:
-    """Latents are normalised with the recipe's statistics, else those of the student's own VAE
-    (`<init_from>/vae/config.json`, read by the student), else those recorded by preprocessing in
+    """Latents are normalised with the recipe's statistics, else those of the student's own repo
+    (its family's `latent_statistics`, read by the student), else those recorded by preprocessing in
     the dataset's fv_dataset.json (when they have one value per latent channel of the student).
     `check_latent_stats` refuses a student left without any."""
     from fv_accel.data.schema import read_dataset_info
@@ -233,10 +233,12 @@ def _latent_stats_from_dataset(cfg: RunConfig, data_path: str) -> None:
         return
     channels = (st.transformer_config or {}).get("in_channels")
     if st.init_from is not None:
-        vae = load_component_config(st, "vae")
-        if vae is not None and vae.get("latents_mean") is not None and vae.get("latents_std") is not None:
+        from fv_accel.models import family_of
+
+        if family_of(cfg).latent_statistics(st.init_from, st.revision) is not None:
             return
-        channels = (load_component_config(st, st.subfolder or None) or {}).get("in_channels")
+        config = load_component_config(st, st.subfolder or None) or {}
+        channels = config.get("out_channels") or config.get("in_channels")
     info = read_dataset_info(data_path)
     mean, std = info.get("latents_mean"), info.get("latents_std")
     if mean and std and (channels is None or len(mean) == len(std) == int(channels)):
@@ -251,7 +253,8 @@ def check_latent_stats(student: Any, cfg: RunConfig, data_path: str) -> None:
     if getattr(student, "latents_mean", False) is not None:
         return
     st = cfg.models.student
-    model = f"models.student.init_from '{st.init_from}' has no vae/config.json with latents_mean, " if st.init_from else ""
+    source = getattr(student, "latent_statistics_source", "vae")
+    model = f"models.student.init_from '{st.init_from}' has no latent statistics ({source}), " if st.init_from else ""
     recorded = read_dataset_info(data_path).get("latents_mean")
     if recorded:
         data = (
@@ -341,6 +344,9 @@ def build_from_config(
     acc = accelerator or build_accelerator(cfg)
     logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     check_ema_supported(cfg, acc)
+    from fv_accel.trainer import engine_steps_in_backward, resolve_nan_policy
+
+    resolve_nan_policy(cfg, engine_steps_in_backward(acc), log=acc.is_main_process)  # nan_policy skip is refused under DeepSpeed
     if resume is not None:
         verify_resume_checkpoint(acc, resume, resume_meta)
     data_path = resolve_data_path(cfg, acc)
@@ -367,11 +373,12 @@ def build_from_config(
     changes = check_resume_compatible(resume_meta, method, cfg, resume) if resume_meta is not None else []
     if acc.is_main_process:
         logger.info(
-            "method %s | student %s | training shift %.3g (models.student.flow_shift) | sampling shift %.3g "
-            "(callbacks.validation.sampling_flow_shift) | %d processes | mixed precision %s",
+            "method %s | student %s (%s family) | training shift %s (models.student.flow_shift) | sampling shift "
+            "%.3g (callbacks.validation.sampling_flow_shift) | %d processes | mixed precision %s",
             cfg.method.name,
             type(student.transformer).__name__,
-            cfg.models.student.flow_shift,
+            student.family,
+            student.describe_training_shift(),
             cfg.callbacks.validation.sampling_flow_shift,
             acc.num_processes,
             acc.mixed_precision,

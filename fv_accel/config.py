@@ -41,17 +41,23 @@ class LoraConfig:
 class StudentConfig:
     # Hub id or local folder (diffusers layout); None builds from `transformer_config` (tiny default).
     init_from: Optional[str] = None
-    # Architecture when building from `transformer_config`: "wan" or "skyreels_v2".
-    # When loading, "auto" reads `_class_name` from the transformer's config.json.
-    model_class: Literal["auto", "wan", "skyreels_v2"] = "auto"
+    # Architecture: a kind of a registered model family ("wan", "skyreels_v2", "ltx_video", ...;
+    # fv_accel.models.FAMILIES). "auto" reads `_class_name` from the transformer's config.json
+    # (and builds a Wan transformer from an inline `transformer_config`).
+    model_class: str = "auto"
     transformer_config: Optional[dict] = None
     revision: Optional[str] = None
     subfolder: str = "transformer"
     variant: Optional[str] = None
     torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
-    # Training shift of the flow-matching table (FastVideo's model-level `flow_shift`).
-    flow_shift: float = 3.0
+    # Training shift of the flow-matching table (FastVideo's model-level `flow_shift`). None: the
+    # family's own (Wan: 3.0, REFERENCE.md; other families: their repo's scheduler config, with
+    # resolution-dependent shifting where it has it).
+    flow_shift: Optional[float] = None
+    # The embedded guidance a guidance-distilled transformer is fed in training (HunyuanVideo's
+    # `guidance`); None: the family's pipeline default. Families without the input refuse a value.
+    guidance: Optional[float] = None
     # Per-channel VAE latent statistics; None reads them from `<init_from>/vae/config.json`,
     # and with neither the latents are used as stored (already normalised).
     latents_mean: Optional[list[float]] = None
@@ -139,8 +145,9 @@ class LoopConfig:
     # "rank": one generator per rank seeded seed+rank (FastVideo's);
     # "sample": noise/timesteps keyed by (seed, epoch, sample index), independent of process count.
     noise_rng: Literal["rank", "sample"] = "rank"
-    # Non-finite loss / grad norm: skip the step (counted) or stop with a checkpoint.
-    nan_policy: Literal["skip", "stop"] = "skip"
+    # Non-finite loss / grad norm: skip the step (counted) or stop with a checkpoint. "auto": skip,
+    # except under DeepSpeed, whose engine steps inside backward: stop (fv_accel.trainer.resolve_nan_policy).
+    nan_policy: Literal["auto", "skip", "stop"] = "auto"
     max_consecutive_skips: int = 5
 
 
@@ -452,7 +459,7 @@ def validate(cfg: RunConfig, source: str) -> None:
         if name not in ("tensorboard", "wandb", "none"):
             raise bad("training.tracker.trackers", name, "'tensorboard', 'wandb' or 'none'")
     st = cfg.models.student
-    if st.flow_shift <= 0:
+    if st.flow_shift is not None and st.flow_shift <= 0:
         raise bad("models.student.flow_shift", st.flow_shift, "a number > 0")
     if st.trust_remote_code:
         raise bad(

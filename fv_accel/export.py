@@ -130,18 +130,22 @@ def _student_config(base: dict[str, Any], override: Optional[str], dtype: Option
 def _transformer_class(st) -> tuple[type, dict]:
     """(class, config) of the base transformer without loading its weights."""
     from fv_accel.models.loading import fetch_config
-    from fv_accel.models.wan import CLASS_NAME_TO_KIND, TRANSFORMER_CLASSES
 
     if st.init_from is None:
         if not st.transformer_config:
             raise ExportError("the run's base is unknown: pass --base MODEL (Hub id or folder)")
-        kind = "wan" if st.model_class == "auto" else st.model_class
-        return TRANSFORMER_CLASSES[kind], dict(st.transformer_config)
+        family = _family({"model_class": None if st.model_class == "auto" else st.model_class})
+        kind = next(iter(family.transformer_classes)) if st.model_class == "auto" else st.model_class
+        return family.transformer_classes[kind], dict(st.transformer_config)
     config = fetch_config(st.init_from, st.subfolder or None, revision=st.revision)
-    kind = st.model_class if st.model_class != "auto" else CLASS_NAME_TO_KIND.get(config.get("_class_name"))
-    if kind is None:
+    if st.model_class != "auto":
+        return _family({"model_class": st.model_class}).transformer_classes[st.model_class], config
+    from fv_accel.models import family_for_class_name
+
+    family = family_for_class_name(config.get("_class_name"))
+    if family is None:
         raise ExportError(f"model '{st.init_from}': unsupported transformer class {config.get('_class_name')!r}")
-    return TRANSFORMER_CLASSES[kind], config
+    return next(c for c in family.transformer_classes.values() if c.__name__ == config.get("_class_name")), config
 
 
 def _save_transformer(transformer, out: Path, attention: Optional[dict[str, Any]] = None) -> Path:
@@ -193,25 +197,35 @@ def export_comfyui(src: ExportSource, out: Path) -> list[Path]:
         raise ExportError(
             f"{src.path}: the ComfyUI export is for LoRA runs; a full fine-tune exports with --to diffusers"
         )
+    family = _family(src.base)
+    if not family.comfyui_lora:
+        raise ExportError(f"{src.path}: ComfyUI has no LoRA layout for the {family.family} family; use --to diffusers or merged")
     state, metadata = read_lora_file(src.lora_file)
-    return [save_comfyui_lora(out / COMFYUI_LORA_FILE, state, metadata, _family(src.base).comfyui_module_name)]
+    return [save_comfyui_lora(out / COMFYUI_LORA_FILE, state, metadata, family.comfyui_module_name)]
 
 
 def _family(base: dict[str, Any]) -> type:
-    """The model family of a run's base (`model_class` in base_model.json / the checkpoint's config)."""
-    from fv_accel.models import FAMILIES
+    """The model family of a run's base: its `family` (base_model.json), else its `model_class`
+    (a checkpoint's recipe), else the class its transformer config names; an inline config with
+    `model_class: auto` is a Wan transformer."""
+    from fv_accel.models import FAMILIES, WanStudent, family_of_repo
 
-    kind = base.get("model_class") or "wan"
-    for family in FAMILIES.values():
-        if kind in family.transformer_classes:
-            return family
-    raise ExportError(f"model_class {kind!r} of the run's base belongs to no known model family")
+    if base.get("family") in FAMILIES:
+        return FAMILIES[base["family"]]
+    kind = base.get("model_class")
+    if kind not in (None, "auto"):
+        for family in FAMILIES.values():
+            if kind in family.transformer_classes:
+                return family
+        raise ExportError(f"model_class {kind!r} of the run's base belongs to no known model family")
+    if base.get("init_from"):
+        return family_of_repo(base["init_from"], base.get("revision"))
+    return WanStudent
 
 
 def export_merged(src: ExportSource, out: Path, *, base: Optional[str] = None, dtype: Optional[str] = None) -> list[Path]:
     from fv_accel.models.lora import merge_lora, read_lora_file
     from fv_accel.models.loading import load_transformer
-    from fv_accel.models.wan import CLASS_NAME_TO_KIND, TRANSFORMER_CLASSES
 
     if src.kind != "lora":
         raise ExportError(f"{src.path}: a full fine-tune is already a whole transformer; use --to diffusers")
@@ -221,7 +235,11 @@ def export_merged(src: ExportSource, out: Path, *, base: Optional[str] = None, d
             f"{src.path}: the run's base was built from models.student.transformer_config (random "
             "init, not saved); pass --base MODEL (Hub id or folder of the base it was trained on)"
         )
-    transformer = load_transformer(st, TRANSFORMER_CLASSES, CLASS_NAME_TO_KIND)
+    cls, _ = _transformer_class(st)
+    classes = {kind: c for kind, c in _family({"model_class": src.base.get("model_class")}).transformer_classes.items()}
+    transformer = load_transformer(st, classes, {c.__name__: kind for kind, c in classes.items()})
+    if not isinstance(transformer, cls):
+        raise ExportError(f"model '{st.init_from}': its transformer is a {type(transformer).__name__}, not the run's {cls.__name__}")
     state, metadata = read_lora_file(src.lora_file)
     merge_lora(transformer, state, metadata)
     return [_save_transformer(transformer, out, src.base.get("attention"))]

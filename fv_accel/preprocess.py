@@ -466,7 +466,7 @@ def preprocess(
     files and metadata files. `command`: the command line, kept with the pending rows until the
     end so that training on the unfinished folder can say how to finish it.
     """
-    from fv_accel.models.encoders import TEXT_MAX_LENGTH, describe_model
+    from fv_accel.models.encoders import TEXT_MAX_LENGTH
 
     t0 = time.perf_counter()
     if shard_size < 1:
@@ -480,12 +480,27 @@ def preprocess(
         input, video_column=video_column, caption_column=caption_column, split=split, caption_encoding=caption_encoding
     )
     num_shards = max(1, math.ceil(len(clips) / shard_size))
-    # What the model is conditioned on, from its configs (an encoder passed in without a spec is text-only).
-    spec = describe_model(model, revision=revision) if encoder is None else getattr(encoder, "spec", None)
+    # The model's family and what the model is conditioned on, from its configs (an encoder passed
+    # in without a spec is text-only).
+    family = None
+    if encoder is None:
+        from fv_accel.models import family_of_repo
+
+        family = family_of_repo(model, revision)
+        spec = family.encoding_spec(model, revision)
+    else:
+        spec = getattr(encoder, "spec", None)
     conditioning = spec.conditioning if spec is not None else ("text",)
     problem = spec.bucket_problem(sampling.buckets, f"'{model}'") if spec is not None else None
     if problem:
         raise InputError(f"--buckets {problem}")
+    factor = spec.scale_factor_temporal if spec is not None else 4
+    bad = [n for n in sampling.num_frames if (int(n) - 1) % factor]
+    if bad:
+        raise InputError(
+            f"--num_frames {','.join(str(n) for n in bad)}: the VAE of '{model}' compresses time by {factor}, so "
+            f"frame counts must be {factor}k+1 (e.g. {factor + 1}, {2 * factor + 1}, {4 * factor + 1})"
+        )
     fingerprint = settings_fingerprint(model, revision, sampling, dtype, TEXT_MAX_LENGTH, conditioning)
     pending = output / PENDING_DIR
     pending.mkdir(parents=True, exist_ok=True)
@@ -502,9 +517,7 @@ def preprocess(
     def get_encoder():
         nonlocal encoder
         if encoder is None:
-            from fv_accel.models.encoders import TextVideoEncoder
-
-            encoder = TextVideoEncoder(model, device=device, dtype=dtype, revision=revision, vae_tiling=vae_tiling, spec=spec)
+            encoder = family.make_encoder(model, device=device, dtype=dtype, revision=revision, vae_tiling=vae_tiling, spec=spec)
         return encoder
 
     def encode(clip: ClipSource, payload: Union[Path, bytes], content: str, key: str) -> dict:
@@ -512,11 +525,13 @@ def preprocess(
         enc = get_encoder()
         t = time.perf_counter()
         latent = enc.encode_video(got.frames)
-        text = enc.encode_text(clip.caption.strip())
-        extra = {}
+        columns = dict(enc.encode_caption(clip.caption.strip()))
+        text = columns.pop("text_embedding")
         if conditioning != ("text",):
-            for name, value in enc.encode_conditioning(got.frames).items():
-                extra.update(tensor_columns(name, value))
+            columns.update(enc.encode_frames_conditioning(got.frames))
+        extra = {}
+        for name, value in columns.items():
+            extra.update(tensor_columns(name, value))
         stats.encode_seconds += time.perf_counter() - t
         n, h, w = got.frames.shape[:3]
         image = is_image(clip.name)
@@ -590,8 +605,14 @@ def preprocess(
         barrier()
     result = PreprocessResult(0, 0, 0, 0, 0.0, output, form, world_size)
     if rank == 0:
-        vae_config = encoder.vae.config if encoder is not None else None
-        result = _finish(output, model, revision, sampling, num_shards, world_size, form, vae_config, conditioning)
+        if encoder is not None and hasattr(encoder, "latent_statistics"):
+            stats_found = encoder.latent_statistics()
+        elif encoder is not None:  # an encoder without the method: its VAE's config says
+            config = encoder.vae.config
+            stats_found = (config.get("latents_mean"), config.get("latents_std")) if config.get("latents_mean") else None
+        else:  # nothing was encoded by this process: read the statistics, load nothing
+            stats_found = family.latent_statistics(model, revision)
+        result = _finish(output, model, revision, sampling, num_shards, world_size, form, stats_found, conditioning, spec)
         result.seconds = time.perf_counter() - t0
     if world_size > 1:
         barrier()
@@ -606,12 +627,12 @@ def _finish(
     num_shards: int,
     world_size: int,
     form: str,
-    vae_config: Any = None,
+    latent_stats: Optional[tuple] = None,
     conditioning: Sequence[str] = ("text",),
+    spec: Any = None,
 ) -> PreprocessResult:
     """Main process, after every process is done: skipped.jsonl, stale files, fv_dataset.json."""
     import pyarrow.parquet as pq
-    from diffusers import AutoencoderKLWan
 
     pending = output / PENDING_DIR
     skipped: list = []
@@ -640,27 +661,26 @@ def _finish(
     for f in pending.iterdir():
         f.unlink()
     pending.rmdir()
-    if vae_config is None:  # nothing was encoded by this process: read the statistics, load nothing
-        vae_config = AutoencoderKLWan.load_config(model, subfolder="vae", revision=revision)
     write_dataset_info(
         output,
         model=model,
-        vae_config=vae_config,
+        latent_stats=latent_stats,
         preprocessing=sampling.to_dict(),
         num_rows=encoded,
-        **conditioning_info(vae_config, conditioning),
+        **conditioning_info(spec, conditioning),
     )
     return PreprocessResult(encoded, len(skipped), newly, reused, 0.0, output, form, world_size)
 
 
-def conditioning_info(vae_config: Any, conditioning: Sequence[str]) -> dict:
+def conditioning_info(spec: Any, conditioning: Sequence[str]) -> dict:
     """What fv_dataset.json says of the rows' conditioning and of the VAE that made them."""
-    info = {
-        "conditioning": list(conditioning),
-        "z_dim": int(vae_config.get("z_dim", 16)),
-        "scale_factor_spatial": int(vae_config.get("scale_factor_spatial") or 8),
-        "scale_factor_temporal": int(vae_config.get("scale_factor_temporal") or 4),
-    }
+    info: dict = {"conditioning": list(conditioning)}
+    if spec is not None:
+        info.update(
+            z_dim=int(spec.z_dim),
+            scale_factor_spatial=int(spec.scale_factor_spatial),
+            scale_factor_temporal=int(spec.scale_factor_temporal),
+        )
     if "first_frame" in conditioning:
         # first_frame_latent is stored normalised, (latent - latents_mean) / latents_std, as FastVideo
         # stores it and WanImageToVideoPipeline feeds it; vae_latent stays raw.

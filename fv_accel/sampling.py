@@ -16,7 +16,7 @@ sees slightly noisy context, as when it was trained.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -220,8 +220,10 @@ def decode_latents(
     latents: torch.Tensor,
     latents_mean: Optional[torch.Tensor] = None,
     latents_std: Optional[torch.Tensor] = None,
+    decode: Any = None,
 ) -> np.ndarray:
-    """Normalised latents [B, C, T, H, W] -> uint8 video [B, F, H, W, 3]."""
+    """Normalised latents [B, C, T, H, W] -> uint8 video [B, F, H, W, 3]. `decode(vae, raw)` maps raw
+    latents to [B, 3, F, H, W] in [-1, 1] (a family's `decode`; default `vae.decode`)."""
     if latents_mean is None and getattr(vae.config, "latents_mean", None) is not None:
         latents_mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
         latents_std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)
@@ -229,7 +231,8 @@ def decode_latents(
     z = latents.to(vae_param.device, torch.float32)
     if latents_mean is not None:
         z = z * latents_std.to(z.device) + latents_mean.to(z.device)
-    video = vae.decode(z.to(vae_param.dtype), return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
+    z = z.to(vae_param.dtype)
+    video = vae.decode(z, return_dict=False)[0] if decode is None else decode(vae, z)  # [B, 3, F, H, W] in [-1, 1]
     video = ((video.float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
     return video.permute(0, 2, 3, 4, 1).cpu().numpy()
 

@@ -1,7 +1,58 @@
-"""`python -m fv_accel.tiny_model DIR [--model NAME]`: write a seeded tiny model in the Hub layout;
-`--list` names the variants (see `fv_accel.tiny.model`)."""
+"""Write a seeded tiny model in the Hub layout, of any supported family:
 
-from fv_accel.tiny.model import TINY_MODELS, main, write_tiny_model, write_tiny_variant  # noqa: F401 (the public entry points)
+    python -m fv_accel.tiny_model DIR [--model NAME] [--seed 0]
+    python -m fv_accel.tiny_model --list
+
+The Wan variants are `fv_accel.tiny.model`'s; other families' come from their own tiny modules
+(`fv_accel.tiny.registry`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional
+
+from fv_accel.tiny.model import (  # noqa: F401 (the public entry points)
+    DEFAULT_TINY_MODEL,
+    MODEL_CLASS_ALIASES,
+    TINY_MODELS,
+    write_tiny_model,
+    write_tiny_variant,
+)
+
+
+def list_lines() -> list[str]:
+    from fv_accel.tiny.registry import all_tiny_models
+
+    models = all_tiny_models()
+    width = max(len(n) for n in models)
+    return [f"{name:<{width}}  {m.layout.split('/')[-1].removesuffix('-Diffusers')} layout: {m.summary}" for name, m in models.items()]
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from fv_accel.tiny.registry import all_tiny_models
+
+    models = all_tiny_models()
+    parser = argparse.ArgumentParser(prog="python -m fv_accel.tiny_model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", nargs="?", help="folder to write the model to")
+    parser.add_argument("--model", choices=list(models), default=None, help=f"which model (default {DEFAULT_TINY_MODEL}; --list)")
+    parser.add_argument("--class", dest="model_class", choices=list(MODEL_CLASS_ALIASES), default=None,
+                        help="older spelling: wan = --model wan21_t2v, skyreels_v2 = --model skyreels_v2")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--list", action="store_true", help="print the models, one a line, and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(list_lines()))
+        return
+    if args.out_dir is None:
+        parser.error("the folder to write (DIR) is required unless --list is given")
+    name = args.model or MODEL_CLASS_ALIASES.get(args.model_class or "", DEFAULT_TINY_MODEL)
+    if args.model and args.model_class and MODEL_CLASS_ALIASES[args.model_class] != args.model:
+        parser.error(f"--class {args.model_class} and --model {args.model} name different models; give one")
+    path = models[name].write(Path(args.out_dir), args.seed)
+    print(f"wrote the tiny {name} model ({models[name].layout} layout) to {path}")
+
 
 if __name__ == "__main__":
     main()

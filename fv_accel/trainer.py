@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 # SIGTERM): a repeat this soon after the first is the same request, not a "stop now".
 SIGNAL_REPEAT_GRACE_S = 2.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# When set, the main process writes the checkpoint's path into this file after a signal stopped the
+# run (accelerate_configs/slurm_multinode.sh requeues the job when it is there).
+STOPPED_FILE_ENV = "FV_ACCEL_STOPPED_FILE"
 
 
 @contextlib.contextmanager
@@ -44,6 +47,37 @@ def stop_signals_blocked_in_new_threads() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def engine_steps_in_backward(accelerator: Any) -> bool:
+    """True under DeepSpeed: Accelerate's `backward` runs `engine.step()` (clip, optimizer step,
+    LR schedule step, zero grad) on the last micro-batch, and its optimizer and scheduler `step`
+    are no-ops, so nothing after `backward` can keep an update from the weights."""
+    from accelerate.utils import DistributedType
+
+    return accelerator is not None and getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED
+
+
+def resolve_nan_policy(cfg: Any, steps_in_backward: bool, *, log: bool = False) -> str:
+    """`training.loop.nan_policy` for the engine (`steps_in_backward`: DeepSpeed, see
+    engine_steps_in_backward): "auto" is skip, or stop under DeepSpeed; "skip" under DeepSpeed is a
+    ConfigError (a step that the engine already applied cannot be skipped)."""
+    policy = cfg.training.loop.nan_policy
+    if not steps_in_backward:
+        return "skip" if policy == "auto" else policy
+    if policy == "skip":
+        from fv_accel.config import ConfigError
+
+        raise ConfigError(
+            "training.loop.nan_policy: skip is not possible under DeepSpeed (Accelerate's backward runs "
+            "engine.step() on the last micro-batch, so a non-finite step cannot be left out): use stop or auto"
+        )
+    if policy == "auto" and log:
+        logger.info(
+            "training.loop.nan_policy auto: stop under DeepSpeed (its engine steps inside backward; a "
+            "non-finite loss stops the run before backward, with a checkpoint from before the step)"
+        )
+    return "stop"
 
 
 def _stderr_fd() -> int:
@@ -118,6 +152,8 @@ class Trainer:
         self._stop_signal: Optional[int] = None
         self._stop_signal_time = 0.0
         self._dump_registered = False
+        # DeepSpeed: the loss is checked before backward, since the engine steps inside it.
+        self.steps_in_backward = engine_steps_in_backward(self.accelerator)
 
     # ---- trainer counters kept in checkpoints (metadata.json) ----
     def state_dict(self) -> dict:
@@ -198,8 +234,8 @@ class Trainer:
         acc = self.accelerator
         limit = max_norm if max_norm > 0 else math.inf
         unsharded = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
-        if acc.distributed_type not in unsharded or acc.scaler is not None:
-            return acc.clip_grad_norm_(params, limit)
+        if self.steps_in_backward or acc.distributed_type not in unsharded or acc.scaler is not None:
+            return acc.clip_grad_norm_(params, limit)  # DeepSpeed: the norm its engine step took
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
         # torch's own rule: scale when max_norm / (norm + 1e-6) < 1 (a NaN norm is left to the fault check).
@@ -208,12 +244,16 @@ class Trainer:
         return norm
 
     # ---- numerical faults: checked before the optimizer step ----
-    def _find_fault(self, loss: torch.Tensor, grad_norm: Any, micro: list, step: int) -> Optional[str]:
-        """A message naming the step, loss and timesteps if the loss or gradient norm is non-finite."""
+    def _find_fault(
+        self, loss: torch.Tensor, grad_norm: Any, micro: list, step: int, *, scaler_skipped: bool = False
+    ) -> Optional[str]:
+        """A message naming the step, loss and timesteps if the loss or gradient norm is non-finite
+        on any rank (every rank gets the same answer)."""
         acc = self.accelerator
         loss_bad = ~torch.isfinite(loss.detach().float().reshape(()))
-        # Under fp16 the grad scaler owns overflowing gradients (it skips the step and lowers the scale).
-        norm_checked = grad_norm is not None and acc.scaler is None
+        # Under fp16 the grad scaler owns overflowing gradients (it skips the step and lowers the
+        # scale); under DeepSpeed fp16 the engine's own loss scaler does (`scaler_skipped`).
+        norm_checked = grad_norm is not None and acc.scaler is None and not scaler_skipped
         if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the total norm as a replicated DTensor
             grad_norm = grad_norm.full_tensor()
         norm = torch.as_tensor(grad_norm if norm_checked else 0.0, dtype=torch.float32, device=loss_bad.device)
@@ -365,7 +405,8 @@ class Trainer:
         ckpt_every = cfg.training.checkpoint.training_state_checkpointing_steps
         log_every = cfg.training.tracker.log_every
         params = student.trainable_parameters()
-        nan_policy = cfg.training.loop.nan_policy
+        steps_in_backward = self.steps_in_backward
+        nan_policy = resolve_nan_policy(cfg, steps_in_backward)
         max_skips = cfg.training.loop.max_consecutive_skips
 
         from fv_accel.telemetry import Telemetry
@@ -392,6 +433,8 @@ class Trainer:
             tokens = 0
             grad_norm = None
             fault = None
+            applied = False  # DeepSpeed: the engine applied this step although its gradient norm is non-finite
+            engine_skipped = False  # DeepSpeed: its fp16 loss scaler dropped this step's update (overflow)
             micro_records: list = []  # (loss, timesteps) per micro-batch, read only to report a fault
             micro_samples: list = []  # the samples' names and NaN/inf flags, read only to report a fault
             for micro in range(k):
@@ -401,16 +444,40 @@ class Trainer:
                 micro_samples.append({"source": batch.get("source"), "nonfinite": batch.get("nonfinite")})
                 with acc.accumulate(model):
                     loss_map, outputs, metrics = method.single_train_step(batch, self.step)
-                    method.backward(loss_map, outputs, grad_accum_rounds=k)
                     tb = outputs.get("training_batch")
                     micro_records.append((loss_map["total_loss"].detach(), getattr(tb, "timesteps", None)))
+                    if steps_in_backward and fault is None:
+                        # The engine steps inside the last backward: a non-finite loss (on any rank)
+                        # keeps this and the step's later micro-batches out of backward, so the
+                        # engine never steps. Their forward still runs (same data and RNG use as
+                        # on the other engines).
+                        fault = self._find_fault(micro_records[-1][0], None, micro_records, self.step + 1)
+                    if fault is None:
+                        method.backward(loss_map, outputs, grad_accum_rounds=k)
                     for name, value in loss_map.items():
                         loss_sums[name] = loss_sums.get(name, 0.0) + value.detach().float() / k
                     for name, value in metrics.items():
                         metric_sums[name] = metric_sums.get(name, 0.0) + torch.as_tensor(value).detach().float() / k
                     samples += batch["vae_latent"].shape[0]
                     tokens += batch["vae_latent"].shape[0] * latent_tokens(batch["vae_latent"].shape[1:])
-                    if acc.sync_gradients:
+                    if acc.sync_gradients and steps_in_backward:
+                        if fault is None:
+                            # The engine has stepped: its norm can only tell that it applied a
+                            # non-finite gradient, unless its fp16 loss scaler dropped the update.
+                            grad_norm = self._clip_gradients(params, max_norm)
+                            engine_skipped = bool(getattr(method.optimizer, "step_was_skipped", False))
+                            fault = self._find_fault(
+                                loss_sums["total_loss"], grad_norm, micro_records, self.step + 1, scaler_skipped=engine_skipped
+                            )
+                            applied = fault is not None
+                        else:
+                            # No backward ran the engine's step, nor its LR schedule step: the
+                            # schedule follows the step count, as a skipped step does elsewhere.
+                            getattr(method.lr_scheduler, "scheduler", method.lr_scheduler).step()
+                        if fault is not None and describe_samples(micro_samples):
+                            rank = f" (process {acc.process_index})" if acc.num_processes > 1 else ""
+                            fault += f"; {describe_samples(micro_samples)}{rank}"
+                    elif acc.sync_gradients:
                         # The norm is taken even without clipping (max norm inf) to catch a
                         # non-finite gradient before it reaches the weights.
                         grad_norm = self._clip_gradients(params, max_norm)
@@ -430,6 +497,14 @@ class Trainer:
             steps_run += 1
             if fault is None:
                 self.consecutive_skips = 0
+                if engine_skipped:
+                    # No update, so counted (the EMA leaves it out), but not a fault.
+                    self.skipped_steps += 1
+                    if acc.is_main_process:
+                        logger.info("step %d: DeepSpeed's loss scaler skipped the update (gradient overflow; %d skipped in all)",
+                                    self.step, self.skipped_steps)
+            elif applied:
+                pass  # not a skipped step: the update happened (the run stops below)
             else:
                 self.skipped_steps += 1
                 self.consecutive_skips += 1
@@ -462,6 +537,18 @@ class Trainer:
             progress.update(1)
             progress.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
 
+            if applied:
+                # No callback (the EMA) sees these weights and no checkpoint holds them.
+                progress.close()
+                from fv_accel.checkpoint import latest_checkpoint
+
+                last = latest_checkpoint(self.output_dir)
+                raise TrainingStopped(
+                    f"stopped (training.loop.nan_policy: {nan_policy}): {fault}; DeepSpeed applied step {self.step} "
+                    f"inside backward, so its weights may hold NaN/inf and no checkpoint was saved; "
+                    f"the last one is {last if last is not None else 'none'}",
+                    last,
+                )
             for cb in self.callbacks:
                 cb.on_step_end(self, self.step, logs)
             if ckpt_every and self.step % ckpt_every == 0 and self.step < max_steps:
@@ -493,6 +580,10 @@ class Trainer:
                     f"continue with --resume_from_checkpoint latest",
                     flush=True,
                 )
+                stopped_file = os.environ.get(STOPPED_FILE_ENV)
+                if stopped_file:
+                    # For a job script: this run stopped early with a checkpoint (requeue it).
+                    Path(stopped_file).write_text(f"{ckpt}\n", encoding="utf-8")
         else:
             self._write_final_outputs(student, cfg.training.checkpoint.save_final)
         acc.wait_for_everyone()

@@ -469,12 +469,32 @@ def sampling_model_source(cfg: Any, data_path: Optional[str]) -> Optional[str]:
 
 
 def vae_scale_factors(model_source: Optional[str]) -> tuple[int, int]:
-    """(spatial, temporal) compression of the model's VAE (Wan 2.1: 8, 4; Wan 2.2 TI2V: 16, 4)."""
-    from fv_accel.models.loading import fetch_config
+    """(spatial, temporal) compression of the model's VAE (Wan 2.1: 8, 4; Wan 2.2 TI2V: 16, 4), as its
+    family reads it from the repo's configs."""
+    from fv_accel.models import family_of_repo
 
-    config = fetch_config(model_source, "vae", required=False) if model_source else None
-    config = config or {}
-    return int(config.get("scale_factor_spatial") or 8), int(config.get("scale_factor_temporal") or 4)
+    if not model_source:
+        return 8, 4
+    spec = family_of_repo(model_source).encoding_spec(model_source)
+    return int(spec.scale_factor_spatial), int(spec.scale_factor_temporal)
+
+
+def prompt_columns(columns: dict[str, torch.Tensor], text_max_length: int) -> dict[str, torch.Tensor]:
+    """A one-sample batch of a family encoder's caption columns, padded as the loader pads them."""
+    from fv_accel.data.loader import pad_text
+
+    batch: dict[str, torch.Tensor] = {}
+    for name, value in columns.items():
+        if name in TEXT_SEQUENCE_MASKS:
+            padded, mask = pad_text(value.float(), text_max_length)
+            batch[name], batch[TEXT_SEQUENCE_MASKS[name]] = padded[None], mask[None]
+        else:
+            batch[name] = value.float()[None]
+    return batch
+
+
+# Text sequences the loader pads, and the name of each one's mask in a batch.
+TEXT_SEQUENCE_MASKS = {"text_embedding": "text_attention_mask", "text_embedding_2": "text_attention_mask_2"}
 
 
 def default_video_size(data_path: str, spatial: int = 8, temporal: int = 4) -> tuple[int, int, int]:
@@ -571,37 +591,27 @@ class VideoSamplingCallback(TrainerCallback):
         return acc.is_main_process or is_sharded(acc)
 
     def _load(self, trainer: Any) -> None:
-        """Load the VAE (kept on the CPU between validations) and encode every prompt once."""
-        from diffusers import WanPipeline
-
+        """Load the student family's VAE (kept on the CPU between validations) and encode every prompt
+        once with its text encoder(s)."""
         from fv_accel.data.loader import TEXT_MAX_LENGTH
-        from fv_accel.models.loading import load_text_encoder, load_vae
 
         acc = trainer.accelerator
         source = self.model_source
         revision = self.cfg.models.student.revision if source == self.cfg.models.student.init_from else None
-        text_dtype = torch.bfloat16 if acc.device.type == "cuda" else torch.float32
+        family = type(trainer.method.student)
         # Same lookup as the student's (cache honoured offline); errors name the model and what to do.
-        vae = load_vae(source, revision=revision, torch_dtype=torch.float32)
-        tokenizer, text_encoder = load_text_encoder(source, revision=revision, torch_dtype=text_dtype)
-        text_encoder.to(acc.device).eval().requires_grad_(False)
-        pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=None, transformer=None)
+        text_dtype = torch.bfloat16 if acc.device.type == "cuda" else torch.float32
+        encoder = family.make_encoder(source, device=acc.device, dtype=text_dtype, revision=revision)
         texts = sorted({p.prompt for p in self.prompts} | {p.negative_prompt for p in self.prompts})
         with torch.no_grad():
             for text in texts:
-                embeds, _ = pipe.encode_prompt(
-                    text,
-                    do_classifier_free_guidance=False,
-                    max_sequence_length=TEXT_MAX_LENGTH,
-                    device=acc.device,
-                    dtype=torch.float32,
-                )
-                self.embeddings[text] = embeds.float().cpu()
-        del pipe, text_encoder, tokenizer
-        self.vae = vae.eval().requires_grad_(False)
+                columns = {k: v.float().cpu() for k, v in encoder.encode_caption(text).items()}
+                self.embeddings[text] = prompt_columns(columns, TEXT_MAX_LENGTH)
+        self.vae = encoder.vae.to("cpu", torch.float32).eval().requires_grad_(False)
+        self.spatial, self.temporal = int(encoder.spec.scale_factor_spatial), int(encoder.spec.scale_factor_temporal)
+        del encoder
         if trainer.method.student.capabilities.image_conditioning:
-            self._load_condition(spatial=int(getattr(vae.config, "scale_factor_spatial", 8)),
-                                 temporal=int(getattr(vae.config, "scale_factor_temporal", 4)))
+            self._load_condition(spatial=self.spatial, temporal=self.temporal)
 
     def _load_condition(self, *, spatial: int, temporal: int) -> None:
         """The first clip of the training data conditions every image-to-video sample; the samples
@@ -632,20 +642,21 @@ class VideoSamplingCallback(TrainerCallback):
             self.sample(trainer, step)
 
     def _sample_latents(self, trainer: Any, student: Any, p: SamplePrompt) -> torch.Tensor:
-        import dataclasses
-
         from fv_accel.sampling import latent_frames, sample_diffusion_forcing
 
         device = trainer.accelerator.device
-        text = self.embeddings[p.prompt].to(device)
-        negative = self.embeddings[p.negative_prompt].to(device)
+        condition = self.condition
+
+        def conditioning(prompt: str) -> Conditioning:
+            # The prompt's columns over the image condition's (a training clip's, image-to-video).
+            return student.build_conditioning({**(condition or {}), **self.embeddings[prompt]})
+
+        text, negative = conditioning(p.prompt), conditioning(p.negative_prompt)
         # The validation's own generator, on the CPU: never the method's, and device-independent.
         generator = torch.Generator().manual_seed(p.seed)
         chunk_size = chunk_size_of(trainer.method)
-        spatial = int(getattr(self.vae.config, "scale_factor_spatial", 8))
-        temporal = int(getattr(self.vae.config, "scale_factor_temporal", 4))
+        spatial, temporal = self.spatial, self.temporal
         shape = (1, student.in_channels, latent_frames(p.num_frames, temporal), p.height // spatial, p.width // spatial)
-        condition = self.condition
         if chunk_size is None:
             # The family's own diffusers pipeline, where it has one for this student.
             latents = student.sample_latents(
@@ -664,17 +675,16 @@ class VideoSamplingCallback(TrainerCallback):
             if latents is not None:
                 return latents
         noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
-        base = student.build_conditioning(condition) if condition is not None else None
-        clean = base.clean_frames if base is not None else 0
+        clean = text.clean_frames
         first = student.clean_latents(condition)[:, :, :clean] if clean else None
+        per_frame = student.capabilities.per_frame_timesteps
 
-        def predict(x: torch.Tensor, t: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-            if base is None:
-                return student.forward(x, t, Conditioning(text=emb))
+        def predict(x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
             if clean:  # the condition frames stay the clean first frame at t = 0
                 x, t = x.clone(), t.clone()
                 x[:, :, :clean], t[:, :clean] = first, 0.0
-            return student.forward(x, t, dataclasses.replace(base, text=emb))
+            # One chunk (no chunk size): every frame is at the same level, one timestep per sample.
+            return student.forward(x, t if per_frame else t[:, 0], cond)
 
         # Without a chunk size (a fine-tuned non-Wan student) the whole clip is one chunk.
         x = sample_diffusion_forcing(
@@ -712,7 +722,9 @@ class VideoSamplingCallback(TrainerCallback):
                 try:
                     for p in self.prompts:
                         latents = self._sample_latents(trainer, student, p)
-                        frames = decode_latents(self.vae, latents, student.latents_mean, student.latents_std)[0]
+                        frames = decode_latents(
+                            self.vae, latents, student.latents_mean, student.latents_std, decode=type(student).decode
+                        )[0]
                         if acc.is_main_process:
                             path = write_video(out_dir / f"{p.name}.mp4", frames, fps=self.val.fps)
                             videos.append((p.name, frames, path))

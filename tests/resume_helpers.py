@@ -53,7 +53,7 @@ def write_latent_dataset(
         for i in range(num_clips)
     ]
     write_rows(rows, Path(folder) / "data.parquet")
-    write_dataset_info(folder, model=None, vae_config={"latents_mean": [0.0] * channels, "latents_std": [1.0] * channels})
+    write_dataset_info(folder, model=None, latent_stats=([0.0] * channels, [1.0] * channels))
     return str(folder)
 
 

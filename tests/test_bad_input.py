@@ -44,7 +44,7 @@ def test_misspelled_key_in_a_recipe_file(tmp_path, latent_data, capsys):
     [
         ("training.loop.max_train_steps", "ten", "key 'training.loop.max_train_steps': expected an integer, got 'ten'"),
         ("training.optimizer.learning_rate", -1e-4, "key 'training.optimizer.learning_rate': expected a number > 0, got -0.0001"),
-        ("training.loop.nan_policy", "ignore", "key 'training.loop.nan_policy': expected one of 'skip', 'stop', got 'ignore'"),
+        ("training.loop.nan_policy", "ignore", "key 'training.loop.nan_policy': expected one of 'auto', 'skip', 'stop', got 'ignore'"),
     ],
     ids=["wrong_type", "negative_lr", "unknown_choice"],
 )

@@ -109,7 +109,7 @@ def test_dfsft_refuses_a_student_without_per_frame_timesteps():
     student = WanStudent(cfg)
     # e.g. HunyuanVideo / CogVideoX: [B] only
     student.capabilities = Capabilities(per_frame_timesteps=False, causal_attention=True)
-    with pytest.raises(ValueError, match="per-frame timesteps; the wan family's WanTransformer3DModel does not"):
+    with pytest.raises(ValueError, match="the wan family cannot take a timestep per latent frame: its transformer takes one"):
         DiffusionForcingSFTMethod(cfg=cfg, role_models={"student": student})
 
 

@@ -240,8 +240,8 @@ class _StopAfter:
             raise KeyboardInterrupt("killed")
         return self.encoder.encode_video(frames)
 
-    def encode_text(self, caption):
-        return self.encoder.encode_text(caption)
+    def encode_caption(self, caption):
+        return self.encoder.encode_caption(caption)
 
 
 @pytest.fixture(scope="module")

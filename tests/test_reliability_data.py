@@ -52,7 +52,7 @@ def _rows(n: int, *, shape=(16, 3, 4, 4), text=(7, 32), seed: int = 0, start: in
 def _dataset(folder: Path, rows: list[dict], name: str = "data.parquet", stats: bool = True) -> str:
     write_rows(rows, folder / name)
     if stats:
-        write_dataset_info(folder, model=None, vae_config={"latents_mean": [0.0] * 16, "latents_std": [1.0] * 16})
+        write_dataset_info(folder, model=None, latent_stats=([0.0] * 16, [1.0] * 16))
     return str(folder)
 
 
@@ -107,8 +107,8 @@ def test_interrupted_preprocessing_is_refused_naming_its_command_then_resumes(tm
                 raise KeyboardInterrupt("killed")
             return encoder.encode_video(frames)
 
-        def encode_text(self, caption):
-            return encoder.encode_text(caption)
+        def encode_caption(self, caption):
+            return encoder.encode_caption(caption)
 
     clips = _write_clips(tmp_path / "clips", [f"a clip number {k}" for k in range(5)])
     out = tmp_path / "latents"

@@ -20,13 +20,14 @@ import psutil
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from fv_accel.checkpoint import CheckpointError, latest_checkpoint, read_metadata
 from fv_accel.cli import main as cli_main
 from fv_accel.config import ConfigError, default_recipe, load_config
 from fv_accel.output_dir import LOCK_NAME, OutputLock
-from fv_accel.trainer import Trainer, TrainerCallback
-from tests.resume_helpers import build, reset_accelerate, small_overrides, write_latent_dataset
+from fv_accel.trainer import Trainer, TrainerCallback, TrainingStopped
+from tests.resume_helpers import build, reset_accelerate, small_overrides, weights, write_latent_dataset
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -660,3 +661,184 @@ def test_trackers_are_finished_and_the_lock_released_however_the_run_ends(tmp_pa
         assert ended == [True]
         assert trackers[0].calls == [("finish", {})] and trackers[1].calls == [("finish", {})]
     assert not (out / LOCK_NAME).exists()
+
+
+# ---- 11. numerical faults under DeepSpeed -------------------------------------------------------
+
+
+class _NoStep:
+    """Accelerate's DeepSpeed optimizer / scheduler wrapper: `step` and `zero_grad` do nothing."""
+
+    def __init__(self, inner):
+        self.__dict__["inner"] = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=None):
+        pass
+
+
+def fake_deepspeed(run, trainer, monkeypatch) -> types.SimpleNamespace:
+    """What Accelerate does under DeepSpeed, on a one-process run: `accelerator.backward` runs the
+    engine's step (clip, optimizer step, LR schedule step, zero grad) on the last micro-batch; the
+    optimizer's and scheduler's own `step` do nothing; `clip_grad_norm_` returns the engine's norm."""
+    acc, method = run.accelerator, run.method
+    optimizer, scheduler = method.optimizer.optimizer, method.lr_scheduler.scheduler
+    params = method.student.trainable_parameters()
+    max_norm = run.config.callbacks.grad_clip.max_grad_norm
+    engine = types.SimpleNamespace(steps=0, norm=None, overflow_at=set(), calls=0)
+
+    def backward(loss, **kwargs):
+        (loss / acc.gradient_accumulation_steps).backward()
+        if acc.sync_gradients:
+            engine.calls += 1
+            engine.norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            # An overflow of DeepSpeed's fp16 loss scaler: neither the update nor the schedule step.
+            method.optimizer.step_was_skipped = engine.calls in engine.overflow_at
+            if not method.optimizer.step_was_skipped:
+                optimizer.step()
+                scheduler.step()
+                engine.steps += 1
+            optimizer.zero_grad(set_to_none=True)
+
+    monkeypatch.setattr(acc, "backward", backward)
+    monkeypatch.setattr(acc, "clip_grad_norm_", lambda *a, **k: engine.norm)
+    method.optimizer, method.lr_scheduler = _NoStep(method.optimizer), _NoStep(method.lr_scheduler)
+    method.optimizer.step_was_skipped = False
+    trainer.steps_in_backward = True
+    return engine
+
+
+def _ema(run):
+    return next(cb for cb in run.callbacks if getattr(cb, "ema", None) is not None).ema
+
+
+def test_nan_policy_resolves_per_engine_and_skip_is_refused_under_deepspeed(tmp_path, caplog):
+    from accelerate.utils import DistributedType
+
+    from fv_accel.build import build_from_config
+    from fv_accel.trainer import engine_steps_in_backward, resolve_nan_policy
+
+    ds = types.SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, is_main_process=True,
+                               state=types.SimpleNamespace(deepspeed_plugin=None))
+    ddp = types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU)
+    assert engine_steps_in_backward(ds) and not engine_steps_in_backward(ddp) and not engine_steps_in_backward(None)
+    fake_run = types.SimpleNamespace(accelerator=ds, config=load_config(default_recipe("finetune")), method=None,
+                                     dataloader=None, start_step=0, callbacks=[])
+    assert Trainer(fake_run).steps_in_backward
+
+    def cfg(policy):
+        return load_config(default_recipe("finetune"), {"training.loop.nan_policy": policy})
+
+    assert load_config(default_recipe("finetune")).training.loop.nan_policy == "auto"
+    assert [resolve_nan_policy(cfg(p), False) for p in ("auto", "skip", "stop")] == ["skip", "skip", "stop"]
+    with caplog.at_level(logging.INFO, logger="fv_accel.trainer"):
+        assert resolve_nan_policy(cfg("auto"), True, log=True) == "stop"
+        assert resolve_nan_policy(cfg("stop"), True, log=True) == "stop"
+    assert caplog.text.count("training.loop.nan_policy auto: stop under DeepSpeed") == 1
+    with pytest.raises(ConfigError) as err:
+        resolve_nan_policy(cfg("skip"), True)
+    assert str(err.value).startswith("training.loop.nan_policy: skip is not possible under DeepSpeed")
+
+    # The build refuses it before anything is built or written.
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="training.loop.nan_policy: skip is not possible under DeepSpeed"):
+        build_from_config(default_recipe("finetune"), {"training.loop.nan_policy": "skip",
+                                                       "training.checkpoint.output_dir": str(out)}, accelerator=ds)
+    assert not out.exists()
+
+
+def test_a_nan_loss_under_deepspeed_stops_before_the_engine_steps(tmp_path, latent_data, monkeypatch, caplog):
+    """Default policy under DeepSpeed: a NaN loss on the 2nd micro-batch of step 3 (the 1st one
+    already went through backward) keeps the engine from stepping; the checkpoint holds the step-2
+    weights, an EMA of 2 updates and the schedule at 3, and the run resumes from it."""
+    out = tmp_path / "out"
+    over = small_overrides(out, latent_data, **{"training.loop.max_train_steps": 5})
+    run = build("finetune", over)
+    real = run.method.single_train_step
+    calls = {"n": 0}
+
+    def step(batch, iteration):
+        loss_map, outputs, metrics = real(batch, iteration)
+        calls["n"] += 1
+        if calls["n"] == 6:  # step 3, micro-batch 2
+            loss_map = dict(loss_map, total_loss=loss_map["total_loss"] * float("nan"))
+        return loss_map, outputs, metrics
+
+    run.method.single_train_step = step
+    trainer = Trainer(run)
+    engine = fake_deepspeed(run, trainer, monkeypatch)
+    after = {}
+
+    class Record(TrainerCallback):
+        def on_step_end(self, trainer, step, logs):
+            after[step] = (weights(run), engine.steps, _ema(run).num_updates)
+
+    trainer.callbacks.append(Record())
+    with caplog.at_level(logging.WARNING), pytest.raises(TrainingStopped) as err:
+        trainer.run()
+    text = str(err.value)
+    assert text.startswith("stopped (training.loop.nan_policy: stop): non-finite loss at step 3: loss=nan"), text
+    assert text.endswith(f"checkpoint saved in {out / 'checkpoint-3'}")
+    assert "skipped step 3 (1 skipped in all)" in caplog.text
+    assert calls["n"] == 6 and engine.steps == 2 and after[3][1] == 2
+    ckpt = out / "checkpoint-3"
+    saved = {k.removeprefix("module."): v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    assert all(torch.equal(saved[k], v) for k, v in after[2][0].items())
+    assert all(torch.equal(saved[k], v) for k, v in after[3][0].items())
+    meta = read_metadata(ckpt)
+    assert meta["trainer"]["skipped_steps"] == 1 and meta["optimizer"]["scheduler_steps"] == 3
+    with safe_open(str(ckpt / "ema.safetensors"), framework="pt") as fh:
+        assert fh.metadata()["num_updates"] == "2" == str(after[3][2])
+
+    resumed = build("finetune", {**over, "training.checkpoint.resume_from_checkpoint": "latest"})
+    summary = Trainer(resumed).run()
+    assert resumed.start_step == 3 and summary["final_step"] == 5 and _ema(resumed).num_updates == 4
+
+
+def test_a_gradient_deepspeed_applied_is_not_called_skipped_and_is_never_saved(tmp_path, latent_data, monkeypatch, caplog):
+    """A finite loss with an infinite gradient: the engine has applied the step inside backward, so
+    the run stops without calling the step skipped, without updating the EMA, and without saving."""
+    out = tmp_path / "out"
+    over = small_overrides(out, latent_data, **{"training.loop.max_train_steps": 4,
+                                                "training.checkpoint.training_state_checkpointing_steps": 1})
+    run = build("finetune", over)
+    real = run.method.single_train_step
+    current = {"step": 0}
+
+    def step(batch, iteration):
+        current["step"] = iteration + 1
+        return real(batch, iteration)
+
+    run.method.single_train_step = step
+    param = run.method.student.trainable_parameters()[0]
+    param.register_hook(lambda g: g * float("inf") if current["step"] == 2 else g)
+    trainer = Trainer(run)
+    engine = fake_deepspeed(run, trainer, monkeypatch)
+    with caplog.at_level(logging.WARNING), pytest.raises(TrainingStopped) as err:
+        trainer.run()
+    text = str(err.value)
+    assert text.startswith("stopped (training.loop.nan_policy: stop): non-finite gradient norm at step 2"), text
+    assert text.endswith(f"DeepSpeed applied step 2 inside backward, so its weights may hold NaN/inf and no "
+                         f"checkpoint was saved; the last one is {out / 'checkpoint-1'}")
+    assert err.value.checkpoint == out / "checkpoint-1" == latest_checkpoint(out)
+    assert engine.steps == 2 and not (out / "checkpoint-2").exists()
+    assert "skipped step" not in caplog.text and trainer.skipped_steps == 0
+    assert _ema(run).num_updates == 1
+
+
+def test_a_step_deepspeeds_loss_scaler_dropped_is_counted_for_the_ema_and_the_run_goes_on(tmp_path, latent_data, monkeypatch, caplog):
+    run = build("finetune", small_overrides(tmp_path / "out", latent_data, **{"training.loop.max_train_steps": 4}))
+    trainer = Trainer(run)
+    engine = fake_deepspeed(run, trainer, monkeypatch)
+    engine.overflow_at = {2}
+    with caplog.at_level(logging.INFO, logger="fv_accel.trainer"):
+        summary = trainer.run()
+    assert summary["final_step"] == 4 and summary["skipped_steps"] == 1 and engine.steps == 3
+    assert [h["skipped_steps"] for h in trainer.history] == [0, 1, 1, 1]
+    assert _ema(run).num_updates == 3
+    assert "step 2: DeepSpeed's loss scaler skipped the update (gradient overflow; 1 skipped in all)" in caplog.text

@@ -191,7 +191,6 @@ def test_a_two_expert_repo_needs_an_expert_and_a_one_transformer_repo_refuses_on
 
 
 def test_both_experts_route_each_sample_and_frame_and_leave_the_other_expert_untouched(variant_dirs):
-    from fv_accel.models.wan import subset_conditioning
 
     model, data = variant_dirs["wan22_t2v_a14b"]
     student, _ = student_and_method(model, "finetune", "x", **{"models.student.expert": "both"})
@@ -203,8 +202,8 @@ def test_both_experts_route_each_sample_and_frame_and_leave_the_other_expert_unt
     t = torch.tensor([b + 10.0, b - 10.0])
     with torch.no_grad():
         routed = student.forward(x, t, cond)
-        high = student._expert_forward("high_noise", x[:1], t[:1], subset_conditioning(cond, torch.tensor([0])))
-        low = student._expert_forward("low_noise", x[1:], t[1:], subset_conditioning(cond, torch.tensor([1])))
+        high = student._expert_forward("high_noise", x[:1], t[:1], cond.select(torch.tensor([0])))
+        low = student._expert_forward("low_noise", x[1:], t[1:], cond.select(torch.tensor([1])))
         assert torch.equal(routed[0], high[0]) and torch.equal(routed[1], low[0])
         frames = x.shape[2]
         per_frame = torch.tensor([[b + 5.0] * frames, [b - 5.0] * (frames - 1) + [b + 5.0]])

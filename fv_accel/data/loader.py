@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from fv_accel.data.schema import (
     CONDITIONING_COLUMNS,
+    TEXT_COLUMNS,
     DATASET_INFO,
     REQUIRED_COLUMNS,
     bytes_to_tensor,
@@ -80,6 +81,7 @@ class LatentDataset(Dataset):
         self.text_shapes = [tuple(int(v) for v in s) for s in self.ds["text_embedding_shape"]]
         # Image-to-video columns this dataset has (read into the batch where a row holds them).
         self.conditioning_columns = [c for c in CONDITIONING_COLUMNS if f"{c}_bytes" in self.ds.column_names]
+        self.text_columns = [c for c in TEXT_COLUMNS if f"{c}_bytes" in self.ds.column_names]
         self.text_max_length = text_max_length
         self.cfg_rate = float(cfg_rate)
         self.seed = seed
@@ -109,23 +111,27 @@ class LatentDataset(Dataset):
         ).float()
         if text.ndim == 3 and text.shape[0] == 1:
             text = text[0]
-        length = min(text.shape[0], self.text_max_length)
-        if text.shape[0] == self.text_max_length:
-            # Preprocessing stores text already padded to the full length, and `text` is our own copy:
-            # no second copy (8 MB for umT5's 512 x 4096 in fp32, a third of the item's time).
-            padded = text
-        else:
-            padded = torch.zeros(self.text_max_length, text.shape[-1], dtype=torch.float32)
-            padded[:length] = text[:length]
-        mask = torch.zeros(self.text_max_length, dtype=torch.long)
-        mask[:length] = 1
+        padded, mask = pad_text(text, self.text_max_length)
+        # The family's other text columns (HunyuanVideo's pooled CLIP, a second encoder's sequence).
+        texts = {}
+        if "pooled_text_embedding" in self.text_columns:
+            texts["pooled_text_embedding"] = read_tensor_column(row, "pooled_text_embedding", where=where)
+        if "text_embedding_2" in self.text_columns:
+            second = read_tensor_column(row, "text_embedding_2", where=where)
+            if second is not None:
+                texts["text_embedding_2"], texts["text_attention_mask_2"] = pad_text(second.float(), self.text_max_length)
+        texts = {k: v.float() if k != "text_attention_mask_2" else v for k, v in texts.items() if v is not None}
         if self.cfg_rate > 0:
             # CFG dropout keyed by (seed, epoch, index): reproducible and independent of the split.
+            # Every text column of the row is dropped together.
             g = torch.Generator().manual_seed(
                 sample_generator_seed(self.seed + 7919, epoch, int(index) + self.global_offset)
             )
             if torch.rand((), generator=g).item() < self.cfg_rate:
                 padded.zero_()
+                for name in ("pooled_text_embedding", "text_embedding_2"):
+                    if name in texts:
+                        texts[name].zero_()
         latent = latent.float()
         item = {
             "vae_latent": latent,
@@ -140,11 +146,28 @@ class LatentDataset(Dataset):
             "source": source,
             "nonfinite": not (bool(torch.isfinite(latent.sum())) and bool(torch.isfinite(text.sum()))),
         }
+        item.update(texts)
         for name in self.conditioning_columns:
             value = read_tensor_column(row, name, where=where)
             if value is not None:
                 item[name] = conditioning_tensor(name, value, tuple(latent.shape), where)
         return item
+
+
+def pad_text(text: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L, D] -> ([max_length, D] zero-padded (cut at max_length), [max_length] long mask of the real
+    tokens). A text already of full length is returned as it is (no copy)."""
+    length = min(text.shape[0], max_length)
+    if text.shape[0] == max_length:
+        # Preprocessing stores text already padded to the full length, and `text` is our own copy:
+        # no second copy (8 MB for umT5's 512 x 4096 in fp32, a third of the item's time).
+        padded = text
+    else:
+        padded = torch.zeros(max_length, text.shape[-1], dtype=torch.float32)
+        padded[:length] = text[:length]
+    mask = torch.zeros(max_length, dtype=torch.long)
+    mask[:length] = 1
+    return padded, mask
 
 
 # name -> (dimensions, layout) of the image-to-video columns in an item.
@@ -185,7 +208,7 @@ def collate(items: list[dict]) -> dict:
         "source": [it.get("source", "") for it in items],
         "nonfinite": [bool(it.get("nonfinite", False)) for it in items],
     }
-    for name in CONDITIONING_LAYOUTS:
+    for name in (*CONDITIONING_LAYOUTS, "pooled_text_embedding", "text_embedding_2", "text_attention_mask_2"):
         holders = [it["sample_index"] for it in items if name in it]
         if len(holders) == len(items):
             batch[name] = torch.stack([it[name] for it in items])
@@ -193,7 +216,7 @@ def collate(items: list[dict]) -> dict:
             lacking = [it["sample_index"] for it in items if name not in it]
             raise RuntimeError(
                 f"a batch mixes samples with {name} (samples {holders}) and without it (samples {lacking}): "
-                "image-to-video and text-to-video datasets cannot be mixed"
+                "datasets preprocessed for different models (image- and text-to-video, or other families) cannot be mixed"
             )
     return batch
 

@@ -27,6 +27,9 @@ METADATA_COLUMNS = ("id", "file_name", "caption", "media_type", "width", "height
 # [H, W, 3]. Optional: text-to-video rows lack them, and FastVideo writes empty bytes for a feature
 # its model has none of (clip_feature of Wan 2.2).
 CONDITIONING_COLUMNS = ("first_frame_latent", "clip_feature", "pil_image")
+# Text columns some families add beside `text_embedding` (each as <name>_bytes/_shape/_dtype): a
+# pooled text embedding [D] (HunyuanVideo's CLIP) and a second text encoder's sequence [L2, D2].
+TEXT_COLUMNS = ("pooled_text_embedding", "text_embedding_2")
 
 _DTYPES = {
     "float32": np.float32,
@@ -155,16 +158,18 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
 DATASET_INFO = "fv_dataset.json"
 
 
-def write_dataset_info(folder: str | Path, *, model: str, vae_config: Any, **extra: Any) -> Path:
-    """Record which model encoded a dataset, with its VAE's latent statistics, beside the shards."""
+def write_dataset_info(folder: str | Path, *, model: str, latent_stats: Optional[tuple] = None, **extra: Any) -> Path:
+    """Record which model encoded a dataset, with its latent statistics (per-channel mean, std, as
+    the model family normalises), beside the shards."""
     import json
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    mean, std = latent_stats if latent_stats else (None, None)
     info = {
         "model": model,
-        "latents_mean": list(vae_config.get("latents_mean") or []) or None,
-        "latents_std": list(vae_config.get("latents_std") or []) or None,
+        "latents_mean": [float(v) for v in mean] if mean else None,
+        "latents_std": [float(v) for v in std] if std else None,
         **extra,
     }
     path = folder / DATASET_INFO

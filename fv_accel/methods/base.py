@@ -101,7 +101,11 @@ class TrainingMethod:
         # One generator per rank seeded seed + rank (FastVideo's "cuda_generator", on the device).
         self.cuda_generator = torch.Generator(device=self.device).manual_seed(self.seed + self.process_index)
         # The training table of the scheduler adapter (the training shift, REFERENCE.md section 1).
-        self.table = FlowMatchTable(cfg.models.student.flow_shift)
+        # The student gives it per latent shape (a resolution-dependent shift differs by bucket);
+        # `noise_to` selects the batch's. Until then it is the table of a one-token latent, used only
+        # for what every shift shares (its length) and for static-shift students' timestep bounds.
+        student = role_models.get("student")
+        self.table = None if student is None else student.training_table(torch.Size([1, 1, 1, 1, 1]))
         # Built by fv_accel.build (build_optimizer / build_lr_scheduler) and prepared by Accelerate.
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
@@ -209,7 +213,7 @@ class TrainingMethod:
 
         Clean condition frames (`conditioning.clean_frames`) stay x0 at timestep 0 and index -1;
         the per-sample level then becomes per frame."""
-        table = self.table
+        table = self.table = self.student.training_table(tb.latents.shape)
         k = tb.conditioning.clean_frames if tb.conditioning is not None else 0
         if k:
             num_frames = tb.latents.shape[2]
@@ -285,7 +289,7 @@ class TrainingMethod:
     def math_signature(self) -> dict[str, Any]:
         return {
             "method.name": self.cfg.method.name,
-            "models.student.flow_shift": self.cfg.models.student.flow_shift,
+            "models.student.flow_shift": self.student.describe_training_shift(),
             "training.loop.max_train_steps": self.training_config.loop.max_train_steps,
             "training.optimizer.lr_scheduler": self.training_config.optimizer.lr_scheduler,
         }

@@ -29,6 +29,7 @@ __all__ = [
     "WanStudent",
     "build_student",
     "family_of",
+    "family_of_repo",
     "register_family",
 ]
 
@@ -61,3 +62,31 @@ def family_of(cfg) -> type:
 def build_student(cfg) -> ModelBase:
     """The student role for a recipe: an instance of its model family."""
     return family_of(cfg)(cfg)
+
+
+def family_of_repo(model: str, revision=None) -> type:
+    """The family of a model repo (Hub id or folder): by its model_index.json pipeline class, else by
+    its transformer's `_class_name`; a repo with neither file is taken for a Wan repo (its encoders
+    say so when they load)."""
+    from fv_accel.models.loading import ModelLoadError, fetch_config
+
+    index = fetch_config(model, None, revision=revision, required=False, filename="model_index.json") or {}
+    pipeline = index.get("_class_name")
+    for family in FAMILIES.values():
+        if pipeline in family.pipeline_class_names:
+            return family
+    config = (
+        fetch_config(model, "transformer", revision=revision, required=False)
+        or fetch_config(model, "transformer_2", revision=revision, required=False)
+        or {}
+    )
+    family = family_for_class_name(config.get("_class_name"))
+    if family is not None:
+        return family
+    if not index and not config:
+        return WanStudent
+    known = sorted(n for f in FAMILIES.values() for n in f.pipeline_class_names)
+    raise ModelLoadError(
+        f"model '{model}': pipeline {pipeline!r} / transformer {config.get('_class_name')!r} belongs to no supported "
+        f"model family; supported pipelines: {', '.join(known)}"
+    )

@@ -38,10 +38,28 @@ class Conditioning:
     image: Optional[torch.Tensor] = None  # image-encoder features [B, L_img, D_img]
     condition_latent: Optional[torch.Tensor] = None  # normalised, [B, C, T, H, W] (channel-concat I2V)
     clean_frames: int = 0
+    pooled_text: Optional[torch.Tensor] = None  # [B, D_pooled] (e.g. HunyuanVideo's CLIP pooled output)
+    text_2: Optional[torch.Tensor] = None  # a second text encoder's sequence [B, L2, D2]
+    text_2_mask: Optional[torch.Tensor] = None  # [B, L2]
+    extras: dict = field(default_factory=dict)  # family-specific tensors, [B, ...] each
+
+    # The text-derived fields: what `unconditional` zeros and what CFG dropout zeros in the data.
+    TEXT_FIELDS = ("text", "pooled_text", "text_2")
 
     def unconditional(self) -> "Conditioning":
         """The text dropped (zeros); image conditions stay (they are not what guidance removes)."""
-        return replace(self, text=None if self.text is None else torch.zeros_like(self.text))
+        return replace(
+            self, **{name: torch.zeros_like(getattr(self, name)) for name in self.TEXT_FIELDS if getattr(self, name) is not None}
+        )
+
+    def select(self, index: torch.Tensor) -> "Conditioning":
+        """The conditioning of the samples at `index` (a [K] long tensor)."""
+        pick = {
+            name: getattr(self, name)[index]
+            for name in ("text", "text_mask", "image", "condition_latent", "pooled_text", "text_2", "text_2_mask")
+            if getattr(self, name) is not None
+        }
+        return replace(self, extras={k: v[index] for k, v in self.extras.items()}, **pick)
 
 
 @dataclass
@@ -96,8 +114,15 @@ class ModelBase:
     family: ClassVar[str] = ""
     # model_class name (recipe `models.student.model_class`) -> diffusers transformer class
     transformer_classes: ClassVar[dict[str, type]] = {}
+    # The `_class_name`s of the family's pipelines in a repo's model_index.json.
+    pipeline_class_names: ClassVar[tuple[str, ...]] = ()
     capabilities: ClassVar[Capabilities] = Capabilities()
     lora_target_modules: ClassVar[tuple[str, ...]] = ()
+    # Why the family's transformer cannot take one timestep per latent frame (diffusion forcing
+    # refuses it with this line); unused where `capabilities.per_frame_timesteps` holds.
+    per_frame_refusal: ClassVar[str] = "its transformer takes one timestep per sample"
+    # Whether ComfyUI has a LoRA key layout for the family (`comfyui_module_name` maps to it).
+    comfyui_lora: ClassVar[bool] = False
 
     transformer: torch.nn.Module
     _trainable: bool = True
@@ -123,6 +148,41 @@ class ModelBase:
     @classmethod
     def transformer_class_names(cls) -> list[str]:
         return [c.__name__ for c in cls.transformer_classes.values()]
+
+    # ---- preprocessing, validation and tiny models (no transformer loaded) ----
+    @classmethod
+    def encoding_spec(cls, model: str, revision: Optional[str] = None) -> Any:
+        """What preprocessing stores for `model` and at which geometry (an `EncodingSpec`)."""
+        raise NotImplementedError(f"the {cls.family} family declares no encoders")
+
+    @classmethod
+    def make_encoder(
+        cls,
+        model: str,
+        *,
+        device: Optional[torch.device] = None,
+        dtype: torch.dtype = torch.float32,
+        revision: Optional[str] = None,
+        vae_tiling: bool = False,
+        spec: Any = None,
+    ) -> Any:
+        """The family's `FamilyEncoder` (VAE, text encoder(s), image conditioning) of `model`."""
+        raise NotImplementedError(f"the {cls.family} family declares no encoders")
+
+    @classmethod
+    def latent_statistics(cls, model: str, revision: Optional[str] = None) -> Optional[tuple[list[float], list[float]]]:
+        """Per-channel (mean, std) of the repo's latent space, `x_norm = (x_raw - mean) / std`, as the
+        family's pipeline normalises latents; None where the repo does not say."""
+        return None
+
+    @classmethod
+    def load_vae(cls, model: str, *, revision: Optional[str] = None, torch_dtype: torch.dtype = torch.float32) -> Any:
+        raise NotImplementedError(f"the {cls.family} family declares no VAE")
+
+    @classmethod
+    def decode(cls, vae: Any, raw_latents: torch.Tensor) -> torch.Tensor:
+        """Raw (un-normalised) latents [B, C, T, h, w] -> video [B, 3, F, H, W] in [-1, 1]."""
+        return vae.decode(raw_latents, return_dict=False)[0]
 
     # seed attribute name
     @property
@@ -174,10 +234,23 @@ class ModelBase:
         return self.normalize_latents(latents)
 
     def build_conditioning(self, batch: dict) -> Conditioning:
-        """The text condition (every family); families with more override and extend it."""
-        text = batch["text_embedding"].to(device=self.device, dtype=torch.float32)
-        mask = batch.get("text_attention_mask")
-        return Conditioning(text=text, text_mask=None if mask is None else mask.to(self.device))
+        """The text condition(s) of a batch (every family); families with more extend it.
+
+        Columns: `text_embedding` [B, L, D] with `text_attention_mask`, and where the family's
+        preprocessing wrote them `pooled_text_embedding` [B, D] and `text_embedding_2` [B, L2, D2]
+        with `text_attention_mask_2`."""
+
+        def tensor(name: str, dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
+            value = batch.get(name)
+            return None if value is None else value.to(device=self.device, dtype=dtype)
+
+        return Conditioning(
+            text=tensor("text_embedding"),
+            text_mask=tensor("text_attention_mask", torch.long),
+            pooled_text=tensor("pooled_text_embedding"),
+            text_2=tensor("text_embedding_2"),
+            text_2_mask=tensor("text_attention_mask_2", torch.long),
+        )
 
     def prepare_batch(self, batch: dict, *, generator: Any = None, latents_source: str = "data") -> TrainingBatch:
         """The seed's door: clean latents and conditioning. Noise and timesteps are the method's
@@ -207,10 +280,28 @@ class ModelBase:
             raise ValueError("training_batch.conditioning is not set")
         return self.forward(noisy_latents, timesteps, cond if conditional else cond.unconditional())
 
-    def sample_latents(self, vae: Any, prompt_embeds: torch.Tensor, negative_prompt_embeds: Any, **kwargs: Any) -> Any:
+    def sample_latents(self, vae: Any, cond: Conditioning, negative: Optional[Conditioning], **kwargs: Any) -> Any:
         """Normalised latents of a sample through the family's own diffusers pipeline, or None when
         the family samples with fv_accel's Euler sampler over `forward` (validation then does)."""
         return None
+
+    def training_shift(self, latent_shape: torch.Size) -> float:
+        """The shift of the training table for latents of `latent_shape` [B, C, T, H, W]."""
+        raise NotImplementedError
+
+    def describe_training_shift(self) -> Any:
+        """The training shift as recorded with checkpoints (a number, or a rule)."""
+        raise NotImplementedError
+
+    def training_table(self, latent_shape: torch.Size) -> Any:
+        """The flow-matching table for latents of this shape, built once per shift."""
+        from fv_accel.schedulers import FlowMatchTable
+
+        shift = self.training_shift(latent_shape)
+        tables = self.__dict__.setdefault("_training_tables", {})
+        if shift not in tables:
+            tables[shift] = FlowMatchTable(shift)
+        return tables[shift]
 
     def timestep_bounds(self) -> Optional[tuple[float, float]]:
         """The half-open range [lo, hi) of timestep values this student may be trained on (None: all)."""

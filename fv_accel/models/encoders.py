@@ -1,7 +1,8 @@
 """Encoding clips and captions with a model's own VAE, text encoder and, for image-to-video
-models, image conditioning (Hub id or local folder).
+models, image conditioning (Hub id or local folder): `FamilyEncoder`, what every family's
+encoder provides, and the Wan family's `TextVideoEncoder`.
 
-What a model is conditioned on is read from its configs (`describe_model`):
+What a Wan model is conditioned on is read from its configs (`describe_model`):
 
 - every model: the caption (`text`);
 - image-to-video models (model_index `_class_name` WanImageToVideoPipeline, or a transformer whose
@@ -95,7 +96,32 @@ def describe_model(model: str, *, revision: Optional[str] = None) -> EncodingSpe
     )
 
 
-class TextVideoEncoder:
+class FamilyEncoder:
+    """What preprocessing (and validation, for prompts) needs of a model family's encoders; a
+    family's `make_encoder` returns one. Tensors come back as float32 on the CPU."""
+
+    spec: EncodingSpec
+    vae: torch.nn.Module
+
+    def encode_video(self, frames: np.ndarray) -> torch.Tensor:
+        """uint8 [F, H, W, 3] -> the raw (un-normalised) latent [C, T, h, w], the posterior's mode."""
+        raise NotImplementedError
+
+    def encode_caption(self, caption: str) -> dict[str, torch.Tensor]:
+        """The caption's columns: `text_embedding` [L, D] (real tokens only; the loader pads), and
+        where the family has them `pooled_text_embedding` [D] and `text_embedding_2` [L2, D2]."""
+        raise NotImplementedError
+
+    def encode_frames_conditioning(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
+        """Image-to-video columns of a clip ({} for a text-to-video model)."""
+        return {}
+
+    def latent_statistics(self) -> Optional[tuple[list[float], list[float]]]:
+        """Per-channel (mean, std) normalising this VAE's latents, as the family's pipeline does."""
+        return None
+
+
+class TextVideoEncoder(FamilyEncoder):
     """The VAE (`AutoencoderKLWan`), UMT5 text encoder and, for Wan 2.1 I2V, CLIP image encoder of
     one model repo, in eval mode, no grad. `spec` says what the model is conditioned on."""
 
@@ -177,6 +203,16 @@ class TextVideoEncoder:
         pixels = inputs["pixel_values"].to(self.device, self.image_encoder.dtype)
         hidden = self.image_encoder(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
         return hidden[0].float().cpu()
+
+    def latent_statistics(self) -> Optional[tuple[list[float], list[float]]]:
+        mean, std = self.vae.config.get("latents_mean"), self.vae.config.get("latents_std")
+        return (list(mean), list(std)) if mean and std else None
+
+    def encode_caption(self, caption: str) -> dict[str, torch.Tensor]:
+        return {"text_embedding": self.encode_text(caption)}
+
+    def encode_frames_conditioning(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
+        return self.encode_conditioning(frames)
 
     def encode_conditioning(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
         """The image conditioning of a clip, by FastVideo column name: `first_frame_latent`,

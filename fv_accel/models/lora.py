@@ -274,14 +274,16 @@ def save_lora_outputs(
     base: Optional[dict[str, Any]] = None,
     suffix: str = "",
 ) -> list[Path]:
-    """Both LoRA files (+ `base_model.json` when given) into `out_dir`; `family` is the student's
-    family class (its pipeline's LoRA writer for `kind`, its ComfyUI key map). `suffix` goes before
+    """The LoRA files (diffusers, and ComfyUI's where the family has a layout for it; +
+    `base_model.json` when given) into `out_dir`; `family` is the student's family class (its
+    pipeline's LoRA writer for `kind`, its ComfyUI key map). `suffix` goes before
     `.safetensors` (a second expert's files)."""
     out_dir = Path(out_dir)
     name = DIFFUSERS_LORA_FILE.replace(".safetensors", f"{suffix}.safetensors")
     written = [save_diffusers_lora(out_dir, state, metadata, pipeline_cls=family.lora_pipeline_class(kind), weight_name=name)]
-    comfy = COMFYUI_LORA_FILE.replace(".safetensors", f"{suffix}.safetensors")
-    written.append(save_comfyui_lora(out_dir / comfy, state, metadata, family.comfyui_module_name))
+    if family.comfyui_lora:
+        comfy = COMFYUI_LORA_FILE.replace(".safetensors", f"{suffix}.safetensors")
+        written.append(save_comfyui_lora(out_dir / comfy, state, metadata, family.comfyui_module_name))
     if base is not None:
         (out_dir / BASE_MODEL_FILE).write_text(json.dumps(base, indent=2) + "\n")
         written.append(out_dir / BASE_MODEL_FILE)

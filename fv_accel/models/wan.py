@@ -18,8 +18,9 @@ import torch
 from diffusers import SkyReelsV2Transformer3DModel, WanTransformer3DModel
 
 from fv_accel.config import RunConfig, StudentConfig
-from fv_accel.models.base import Capabilities, Conditioning, ModelBase, TrainingBatch, register_family
-from fv_accel.models.loading import DTYPES, fetch_config, load_component_config, load_transformer
+from fv_accel.models.base import Capabilities, Conditioning, TrainingBatch, register_family
+from fv_accel.models.loading import fetch_config
+from fv_accel.models.student import DiffusersStudent, build_family_transformer
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +32,8 @@ CLASS_NAME_TO_KIND = {cls.__name__: kind for kind, cls in TRANSFORMER_CLASSES.it
 
 
 def build_transformer(cfg: StudentConfig, subfolder: Optional[str] = None) -> tuple[torch.nn.Module, str]:
-    """Load from a Hub id / local folder, or build from the inline config (seeded by the caller)."""
-    if cfg.init_from is None:
-        kind = "wan" if cfg.model_class == "auto" else cfg.model_class
-        transformer = TRANSFORMER_CLASSES[kind](**dict(cfg.transformer_config or {}))
-        if cfg.torch_dtype != "float32":
-            transformer = transformer.to(DTYPES[cfg.torch_dtype])
-        return transformer, kind
-    transformer = load_transformer(cfg, TRANSFORMER_CLASSES, CLASS_NAME_TO_KIND, subfolder=subfolder)
-    return transformer, CLASS_NAME_TO_KIND[type(transformer).__name__]
+    """A Wan-family transformer from a Hub id / local folder, or the inline config (seeded by the caller)."""
+    return build_family_transformer(WanStudent, cfg, subfolder)
 
 
 MODULATED_BLOCK_PARTS = ("scale_shift_table", "norm1", "attn1", "norm2", "attn2", "norm3", "ffn")
@@ -214,18 +208,6 @@ class ExpertPair(torch.nn.Module):
         return self.expert(expert)(**kwargs)
 
 
-def subset_conditioning(cond: Conditioning, index: torch.Tensor) -> Conditioning:
-    """The conditioning of the samples at `index`."""
-    from dataclasses import replace
-
-    pick = {
-        name: getattr(cond, name)[index]
-        for name in ("text", "text_mask", "image", "condition_latent")
-        if getattr(cond, name) is not None
-    }
-    return replace(cond, **pick)
-
-
 @dataclass(frozen=True)
 class WanLayout:
     """What a Wan-family repo's `model_index.json` says about the model (defaults without one)."""
@@ -252,7 +234,7 @@ class WanLayout:
 
 
 @register_family
-class WanStudent(ModelBase):
+class WanStudent(DiffusersStudent):
     """The Wan family: Wan 2.1 T2V/I2V, Wan 2.2 TI2V-5B and A14B experts, SkyReels-V2.
 
     Image-to-video comes in two forms, read from the model: a 36-channel transformer takes
@@ -263,8 +245,15 @@ class WanStudent(ModelBase):
 
     family = "wan"
     transformer_classes = {"wan": WanTransformer3DModel, "skyreels_v2": SkyReelsV2Transformer3DModel}
+    pipeline_class_names = ("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline",
+                            "SkyReelsV2Pipeline", "SkyReelsV2DiffusionForcingPipeline",
+                            "SkyReelsV2ImageToVideoPipeline", "SkyReelsV2DiffusionForcingImageToVideoPipeline")
     capabilities = Capabilities(per_frame_timesteps=True, causal_attention=True, image_conditioning=False)
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
+    comfyui_lora = True
+    # REFERENCE.md section 1: FastVideo's default training shift of the Wan models.
+    default_flow_shift = 3.0
+    latent_statistics_source = "vae/config.json"
 
     @classmethod
     def lora_pipeline_class(cls, kind: str) -> type:
@@ -277,63 +266,83 @@ class WanStudent(ModelBase):
     def comfyui_module_name(cls, module: str) -> str:
         return wan_comfyui_module_name(module)
 
-    def __init__(self, cfg: RunConfig, *, trainable: bool = True):
-        super().__init__()
-        self.run_config = cfg
-        self.student_config = st = cfg.models.student
+    # ---- preprocessing and validation ----
+    @classmethod
+    def encoding_spec(cls, model: str, revision: Optional[str] = None) -> Any:
+        from fv_accel.models.encoders import describe_model
+
+        return describe_model(model, revision=revision)
+
+    @classmethod
+    def make_encoder(cls, model: str, *, device=None, dtype=torch.float32, revision=None, vae_tiling=False, spec=None) -> Any:
+        from fv_accel.models.encoders import TextVideoEncoder
+
+        return TextVideoEncoder(model, device=device, dtype=dtype, revision=revision, vae_tiling=vae_tiling, spec=spec)
+
+    @classmethod
+    def latent_statistics(cls, model: str, revision: Optional[str] = None) -> Optional[tuple[list[float], list[float]]]:
+        """The Wan VAE's `latents_mean`/`latents_std` (vae/config.json)."""
+        vae = fetch_config(model, "vae", revision=revision, required=False)
+        if vae is None or vae.get("latents_mean") is None or vae.get("latents_std") is None:
+            return None
+        return list(vae["latents_mean"]), list(vae["latents_std"])
+
+    @classmethod
+    def load_vae(cls, model: str, *, revision: Optional[str] = None, torch_dtype: torch.dtype = torch.float32) -> Any:
+        from fv_accel.models.loading import load_vae
+
+        return load_vae(model, revision=revision, torch_dtype=torch_dtype)
+
+    # ---- construction ----
+    def build_transformers(self, st: StudentConfig) -> tuple[torch.nn.Module, str, list[torch.nn.Module]]:
         self.layout = WanLayout.read(st)
         self.expert = self._resolve_expert(st)
         if self.expert == "both":
-            high, self.kind = build_transformer(st, EXPERT_SUBFOLDERS["high_noise"])
+            high, kind = build_transformer(st, EXPERT_SUBFOLDERS["high_noise"])
             low, _ = build_transformer(st, EXPERT_SUBFOLDERS["low_noise"])
-            self.transformer = ExpertPair(high, low)
-            modules = [high, low]
-        else:
-            self.transformer, self.kind = build_transformer(st, self._subfolder(st))
-            modules = [self.transformer]
-        self._trainable = trainable
-        config = modules[0].config
-        self.patch_size = tuple(config.patch_size)
-        self.in_channels = int(config.out_channels or config.in_channels)  # latent channels of the data
+            return ExpertPair(high, low), kind, [high, low]
+        transformer, kind = build_transformer(st, self._subfolder(st))
+        return transformer, kind, [transformer]
+
+    def training_shift(self, latent_shape: torch.Size) -> float:
+        """`models.student.flow_shift`, else FastVideo's Wan default (REFERENCE.md section 1)."""
+        st = self.student_config
+        return float(self.default_flow_shift if st.flow_shift is None else st.flow_shift)
+
+    def describe_training_shift(self) -> Any:
+        return self.training_shift(torch.Size([1, 1, 1, 1, 1]))
+
+    def configure(self, config: Any) -> None:
         self.condition_channels = int(config.in_channels) - self.in_channels  # mask + condition latent (I2V)
         self.uses_image_features = config.get("image_dim") is not None
-        self.task = self._resolve_task(st)
+        self.task = self._resolve_task(self.student_config)
         self.capabilities = Capabilities(
             per_frame_timesteps=True, causal_attention=True, image_conditioning=self.task == "i2v"
         )
-        self.transformer.requires_grad_(trainable)
-        # Block-causal self-attention (fv_accel/models/attention.py), block size = method.chunk_size.
-        self.causal_attention = None
-        if st.causal:
-            from fv_accel.config import parse_chunk_size
-            from fv_accel.models.attention import CausalSpec, install_causal_attention
 
-            if self.expert == "both":
-                raise ValueError(
-                    "models.student.causal with models.student.expert: both is not supported: train a causal "
-                    "student one expert at a time (high_noise, low_noise)"
-                )
-            self.causal_block_size = parse_chunk_size(cfg.method.chunk_size)
-            spec = CausalSpec(self.causal_block_size, st.local_attn_size, st.sink_size)
-            self.causal_attention = install_causal_attention(self.transformer, spec, st.causal_attention_backend)
-        self._check_saved_attention()
-        # LoRA (peft): base frozen, adapter trainable in fp32; PiSSA's initial adapter is kept to
-        # export against the original base (fv_accel/models/lora.py).
-        self.lora_enabled = bool(st.lora.enable and trainable)
-        self.pissa_init_adapter: Optional[dict] = None
-        if self.lora_enabled:
-            from fv_accel.models.lora import apply_lora
+    def install_causal_attention(self, cfg: RunConfig) -> None:
+        """Block-causal self-attention (fv_accel/models/attention.py), block size = method.chunk_size."""
+        from fv_accel.config import parse_chunk_size
+        from fv_accel.models.attention import CausalSpec, install_causal_attention
 
-            if self.expert == "both" and st.lora.init == "pissa":
-                raise ValueError("models.student.lora.init: pissa with models.student.expert: both is not supported")
-            for module in modules:
-                self.pissa_init_adapter = apply_lora(module, st.lora)
-        self.input_dtype = modules[0].patch_embedding.weight.dtype
+        st = self.student_config
+        if self.expert == "both":
+            raise ValueError(
+                "models.student.causal with models.student.expert: both is not supported: train a causal "
+                "student one expert at a time (high_noise, low_noise)"
+            )
+        self.causal_block_size = parse_chunk_size(cfg.method.chunk_size)
+        spec = CausalSpec(self.causal_block_size, st.local_attn_size, st.sink_size)
+        self.causal_attention = install_causal_attention(self.transformer, spec, st.causal_attention_backend)
+
+    def input_dtype_of(self, module: torch.nn.Module) -> torch.dtype:
+        # The patch embedding's dtype, not the first parameter's: diffusers keeps some tables in fp32.
+        return module.patch_embedding.weight.dtype
+
+    def after_setup(self) -> None:
         self.per_frame_time_embeddings = (
-            [PerFrameTimeEmbedding(module) for module in modules] if self.kind == "wan" else []
+            [PerFrameTimeEmbedding(module) for module in self.modules] if self.kind == "wan" else []
         )
-        if cfg.training.model.enable_gradient_checkpointing_type == "full":
-            self.transformer.enable_gradient_checkpointing()
 
     # ---- variants ----
     def _resolve_expert(self, st: StudentConfig) -> Optional[str]:
@@ -397,18 +406,6 @@ class WanStudent(ModelBase):
         return f"expert {self.expert} of boundary_ratio {self.layout.boundary_ratio}"
 
     # ---- set-up ----
-    def init_preprocessors(self, training_config: Any) -> None:
-        del training_config
-        st = self.student_config
-        mean, std = st.latents_mean, st.latents_std
-        where = "models.student"
-        if mean is None and st.init_from is not None:
-            vae_config = load_component_config(st, "vae")
-            if vae_config is not None and vae_config.get("latents_mean") is not None:
-                mean, std = vae_config["latents_mean"], vae_config["latents_std"]
-                where = f"{st.init_from}/vae/config.json"
-        self.set_latent_statistics(mean, std, where)
-
     # ---- per step ----
     def build_conditioning(self, batch: dict) -> Conditioning:
         cond = super().build_conditioning(batch)
@@ -477,8 +474,8 @@ class WanStudent(ModelBase):
             hi, lo = high.nonzero().flatten(), (~high).nonzero().flatten()
             out = torch.cat(
                 [
-                    self._expert_forward("high_noise", x_t[hi], t[hi], subset_conditioning(cond, hi)),
-                    self._expert_forward("low_noise", x_t[lo], t[lo], subset_conditioning(cond, lo)),
+                    self._expert_forward("high_noise", x_t[hi], t[hi], cond.select(hi)),
+                    self._expert_forward("low_noise", x_t[lo], t[lo], cond.select(lo)),
                 ]
             )
             return out[torch.cat([hi, lo]).argsort()]
@@ -515,8 +512,8 @@ class WanStudent(ModelBase):
     def sample_latents(
         self,
         vae: torch.nn.Module,
-        prompt_embeds: torch.Tensor,
-        negative_prompt_embeds: Optional[torch.Tensor],
+        cond: Conditioning,
+        negative: Optional[Conditioning],
         *,
         height: int,
         width: int,
@@ -569,8 +566,8 @@ class WanStudent(ModelBase):
         try:
             return pipeline_latents(
                 pipe,
-                prompt_embeds,
-                negative_prompt_embeds,
+                cond.text,
+                None if negative is None else negative.text,
                 height=height,
                 width=width,
                 num_frames=num_frames,
@@ -591,9 +588,8 @@ class WanStudent(ModelBase):
             self._other = module.eval().requires_grad_(False)
         return self._other
 
-    # ---- LoRA state (checkpoints and final files) ----
+    # ---- engines, LoRA state and outputs ----
     def attach_accelerator(self, accelerator: Any) -> None:
-        super().attach_accelerator(accelerator)
         from accelerate.utils import DistributedType
 
         if self.expert == "both" and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
@@ -601,35 +597,16 @@ class WanStudent(ModelBase):
                 f"models.student.expert: both runs under DDP or one process, not {accelerator.distributed_type.value}: "
                 f"train the experts one at a time (high_noise, low_noise) with a sharded engine"
             )
-        if self.lora_enabled:
-            from fv_accel.models.lora import register_adapter_checkpointing
-
-            # Checkpoints of a LoRA run hold the adapter (+ Accelerate's optimizer/scheduler/RNG).
-            register_adapter_checkpointing(
-                accelerator,
-                lambda: self.transformer,
-                lambda: self.lora_files_state(accelerator),
-                self.load_lora_files_state,
-                pipeline_cls=self.lora_pipeline_class(self.kind),
-            )
+        super().attach_accelerator(accelerator)
 
     def lora_files_state(self, accelerator: Any = None) -> tuple[dict, dict]:
-        """The adapter as written to files (diffusers keys, fp32) and its metadata, against the
-        original base. Collective under FSDP/DeepSpeed (gathers the sharded state dict). With both
-        experts, the keys carry the expert's name (`high_noise.` / `low_noise.`)."""
-        from accelerate.utils import DistributedType
-
+        """The adapter as written to files (see DiffusersStudent). With both experts, the keys
+        carry the expert's name (`high_noise.` / `low_noise.`)."""
         from fv_accel.models.lora import adapter_metadata, adapter_state_dict, deployable_lora
 
-        full = None
-        module = self.transformer
-        if accelerator is not None:
-            if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-                full = accelerator.get_state_dict(self.transformer)
-            module = accelerator.unwrap_model(self.transformer)
         if self.expert != "both":
-            state = adapter_state_dict(module, full_state_dict=full)
-            return deployable_lora(state, adapter_metadata(module), self.pissa_init_adapter)
+            return super().lora_files_state(accelerator)
+        module = self._unwrapped(accelerator)
         state: dict = {}
         for name in EXPERT_SUBFOLDERS:
             expert = module.expert(name)
@@ -638,64 +615,36 @@ class WanStudent(ModelBase):
         return state, metadata
 
     def load_lora_files_state(self, state: dict, metadata: Optional[dict]) -> None:
-        """Restore the trained adapter from a file written by `lora_files_state` (resume)."""
-        from fv_accel.models.lora import set_adapter_state_dict, trained_part_of_deployable
+        from fv_accel.models.lora import set_adapter_state_dict
 
-        module = self.accelerator.unwrap_model(self.transformer) if self.accelerator is not None else self.transformer
-        lora = self.student_config.lora
-        # Files of a PiSSA run hold the adapter converted to rank 2r (see deployable_lora).
-        expected_rank = 2 * lora.rank if lora.init == "pissa" else lora.rank
-        if metadata is None or int(metadata.get("r", -1)) != expected_rank:
-            raise ValueError(
-                f"the checkpoint's LoRA has rank {None if metadata is None else metadata.get('r')} but "
-                f"models.student.lora is rank {lora.rank}, init {lora.init} (expected {expected_rank} in the file)"
-            )
         if self.expert != "both":
-            set_adapter_state_dict(module, trained_part_of_deployable(state, metadata, lora))
-            return
+            return super().load_lora_files_state(state, metadata)
+        self.check_lora_file_rank(metadata)
+        module = self._unwrapped()
         for name in EXPERT_SUBFOLDERS:
             part = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
             if not part:
                 raise ValueError(f"the checkpoint's LoRA holds no adapter of the {name} expert (models.student.expert: both)")
             set_adapter_state_dict(module.expert(name), part)
 
-    def _files_per_expert(self, state: dict) -> dict[Optional[str], dict]:
+    def lora_files(self, state: dict) -> dict[str, dict]:
+        """A run of both experts writes each expert's adapter under its own file-name suffix."""
         if self.expert != "both":
-            return {None: state}
+            return {"": state}
         return {
-            name: {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
+            LORA_FILE_SUFFIX[name]: {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
             for name in EXPERT_SUBFOLDERS
         }
 
-    def causal_spec(self) -> Any:
-        return None if self.causal_attention is None else self.causal_attention.spec
-
-    def _check_saved_attention(self) -> None:
-        """Warn when the weights were saved causal and this recipe loads them otherwise."""
-        from fv_accel.models.attention import SAVED_ATTENTION_KEY, saved_attention_mismatch
-
-        saved = self.transformer.config.get(SAVED_ATTENTION_KEY)
-        where = self.student_config.init_from or "models.student.transformer_config"
-        message = saved_attention_mismatch(saved, self.causal_spec(), where)
-        if message:
-            logger.warning(message)
+    def transformer_folders(self, accelerator: Any) -> dict[str, torch.nn.Module]:
+        """`transformer` (and `transformer_2` for both experts, or a low-noise expert alone)."""
+        module = accelerator.unwrap_model(self.transformer)
+        if self.expert == "both":
+            return {sub: module.expert(name) for name, sub in EXPERT_SUBFOLDERS.items()}
+        return {EXPERT_SUBFOLDERS[self.expert] if self.expert else "transformer": module}
 
     def base_model_info(self) -> dict:
-        from fv_accel.models.attention import attention_record
-
-        st = self.student_config
-        return {
-            "attention": attention_record(self.causal_spec()),
-            "init_from": st.init_from,
-            "revision": st.revision,
-            "subfolder": st.subfolder,
-            "variant": st.variant,
-            "torch_dtype": st.torch_dtype,
-            "model_class": self.kind,
-            "expert": self.expert,
-            "task": self.task,
-            "transformer_config": None if st.init_from is not None else st.transformer_config,
-        }
+        return {**super().base_model_info(), "expert": self.expert, "task": self.task}
 
     def predict_noise_teacher_forcing(
         self,
@@ -722,56 +671,3 @@ class WanStudent(ModelBase):
                 conditional=conditional,
             )
         return out[:, :, :num_frames], out[:, :, num_frames:]
-
-    # ---- outputs ----
-    def save_final(self, accelerator: Any, output_dir: Any) -> None:
-        """Write the trained weights: for a LoRA run `pytorch_lora_weights.safetensors` (diffusers,
-        with adapter metadata), the ComfyUI-format file and `base_model.json`; otherwise the
-        transformer as a diffusers folder (`<output_dir>/transformer`).
-
-        `get_state_dict` gathers sharded parameters (FSDP2, ZeRO-3) on every rank; only the main
-        process writes, safetensors only.
-        """
-        from pathlib import Path
-
-        from accelerate.utils import DistributedType
-
-        if self.lora_enabled:
-            from fv_accel.models.lora import save_lora_outputs
-
-            state, metadata = self.lora_files_state(accelerator)
-            if accelerator.is_main_process:
-                for name, part in self._files_per_expert(state).items():
-                    save_lora_outputs(
-                        output_dir, part, metadata, family=type(self), kind=self.kind, base=self.base_model_info(),
-                        suffix="" if name is None else LORA_FILE_SUFFIX[name],
-                    )
-            accelerator.wait_for_everyone()
-            return
-        if self.expert == "both":
-            if accelerator.is_main_process:
-                pair = accelerator.unwrap_model(self.transformer)
-                for name, sub in EXPERT_SUBFOLDERS.items():
-                    pair.expert(name).save_pretrained(Path(output_dir) / sub, safe_serialization=True)
-            accelerator.wait_for_everyone()
-            return
-        out = Path(output_dir) / (EXPERT_SUBFOLDERS[self.expert] if self.expert else "transformer")
-        sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-        state_dict = accelerator.get_state_dict(self.transformer) if sharded else None
-        if accelerator.is_main_process:
-            unwrapped = accelerator.unwrap_model(self.transformer)
-            if state_dict is not None:
-                # Rebuild a plain module from the gathered full state dict, then save it. Built
-                # empty and filled by assignment: no random init, no second copy of a large model.
-                # The class comes from the kind, not type(): FSDP2 swaps in an FSDP<cls> subclass.
-                from accelerate import init_empty_weights
-
-                with init_empty_weights():
-                    plain = TRANSFORMER_CLASSES[self.kind].from_config(unwrapped.config)
-                plain.load_state_dict(state_dict, strict=True, assign=True)
-                unwrapped = plain
-            unwrapped.save_pretrained(out, safe_serialization=True)
-            from fv_accel.models.attention import attention_record, mark_saved_attention
-
-            mark_saved_attention(out / "config.json", attention_record(self.causal_spec()))
-        accelerator.wait_for_everyone()

@@ -1,7 +1,6 @@
-"""Seeded tiny models of every supported Wan variant, in the Hub layout, for offline tests.
-
-    python -m fv_accel.tiny_model DIR [--model NAME] [--seed 0]
-    python -m fv_accel.tiny_model --list
+"""Seeded tiny models of every supported Wan variant, in the Hub layout, for offline tests (the
+other families' tiny models live beside this file, one file each; `python -m fv_accel.tiny_model`
+writes any of them).
 
 Each variant mirrors the layout of a real diffusers repo at toy sizes: the same `model_index.json`
 keys and component classes, the same transformer channel counts and conditioning (image
@@ -14,13 +13,12 @@ source of those numbers); each VAE's `latents_mean`/`latents_std` are measured o
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -275,8 +273,15 @@ def write_tiny_variant(out_dir: str | Path, name: str = DEFAULT_TINY_MODEL, seed
         image_encoder, image_processor = build_tiny_image_encoder(seed + 5) if variant.image_encoder else (None, None)
         components.update(image_encoder=image_encoder, image_processor=image_processor)
     pipeline = getattr(diffusers, variant.pipeline)(**components)
-    # Written beside `out` first and moved in with model_index.json last: a folder holding
-    # model_index.json is complete (the tiny dataset's cache relies on it).
+    return save_tiny_pipeline(pipeline, out)
+
+
+def save_tiny_pipeline(pipeline, out_dir: str | Path) -> Path:
+    """`pipeline.save_pretrained` into `out_dir`, atomically: written beside `out_dir` first and moved
+    in with model_index.json last, so a folder holding model_index.json is complete (the tiny
+    dataset's cache relies on it). Tokenizer and image-processor entries of model_index.json get
+    the public class names that load under any transformers version."""
+    out = Path(out_dir)
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     pipeline.save_pretrained(partial, safe_serialization=True)
@@ -284,7 +289,9 @@ def write_tiny_variant(out_dir: str | Path, name: str = DEFAULT_TINY_MODEL, seed
     # "CLIPImageProcessorPil"; the public names below load the same classes under any version.
     index_path = partial / "model_index.json"
     index = json.loads(index_path.read_text())
-    index["tokenizer"] = ["transformers", "PreTrainedTokenizerFast"]
+    for key, value in index.items():
+        if isinstance(value, list) and len(value) == 2 and value[1] == "TokenizersBackend":
+            index[key] = ["transformers", "PreTrainedTokenizerFast"]
     if index.get("image_processor", [None])[0] is not None:
         index["image_processor"] = ["transformers", "CLIPImageProcessor"]
     index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -297,6 +304,27 @@ def write_tiny_variant(out_dir: str | Path, name: str = DEFAULT_TINY_MODEL, seed
         child.replace(target)
     partial.rmdir()
     return out
+
+
+def _write_variant(name: str, out: Path, seed: int) -> Path:
+    return write_tiny_variant(out, name, seed=seed)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny model `python -m fv_accel.tiny_model` can write (see fv_accel.tiny.registry)."""
+
+    summary: str  # one line for `--list`
+    layout: str  # the real repo whose layout it mirrors
+    write: Callable[[Path, int], Path]  # (folder, seed) -> the folder written
+
+
+def wan_tiny_models() -> dict:
+    """The Wan family's tiny models (TINY_MODELS) as registry entries."""
+    return {
+        name: TinyModel(v.summary, v.layout, functools.partial(_write_variant, name))
+        for name, v in TINY_MODELS.items()
+    }
 
 
 def write_tiny_model(out_dir: str | Path, seed: int = 0, model_class: str = "wan", latents_stats: Optional[tuple] = None) -> Path:
@@ -325,33 +353,3 @@ def measure_latent_stats(vae) -> tuple[list[float], list[float]]:
     mean = z.mean(dim=(0, 2, 3, 4))
     std = z.std(dim=(0, 2, 3, 4)).clamp_min(1e-4)
     return [round(float(v), 6) for v in mean], [round(float(v), 6) for v in std]
-
-
-def list_lines() -> list[str]:
-    width = max(len(n) for n in TINY_MODELS)
-    return [f"{v.name:<{width}}  {v.layout.split('/')[-1].removesuffix('-Diffusers')} layout: {v.summary}" for v in TINY_MODELS.values()]
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fv_accel.tiny_model", description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir", nargs="?", help="folder to write the model to")
-    parser.add_argument("--model", choices=list(TINY_MODELS), default=None, help=f"which variant (default {DEFAULT_TINY_MODEL}; --list)")
-    parser.add_argument("--class", dest="model_class", choices=list(MODEL_CLASS_ALIASES), default=None,
-                        help="older spelling: wan = --model wan21_t2v, skyreels_v2 = --model skyreels_v2")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--list", action="store_true", help="print the variants, one a line, and exit")
-    args = parser.parse_args(argv)
-    if args.list:
-        print("\n".join(list_lines()))
-        return
-    if args.out_dir is None:
-        parser.error("the folder to write (DIR) is required unless --list is given")
-    name = args.model or MODEL_CLASS_ALIASES.get(args.model_class or "", DEFAULT_TINY_MODEL)
-    if args.model and args.model_class and MODEL_CLASS_ALIASES[args.model_class] != args.model:
-        parser.error(f"--class {args.model_class} and --model {args.model} name different models; give one")
-    path = write_tiny_variant(args.out_dir, name, seed=args.seed)
-    print(f"wrote the tiny {name} model ({TINY_MODELS[name].layout} layout) to {path}")
-
-
-if __name__ == "__main__":
-    main()

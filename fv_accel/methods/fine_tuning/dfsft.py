@@ -33,9 +33,8 @@ class DiffusionForcingSFTMethod(TrainingMethod):
         """Never train 'causal' DFSFT silently bidirectional, nor per-frame on a model that can't."""
         if not self.student.capabilities.per_frame_timesteps:
             raise ValueError(
-                f"{type(self).__name__} needs a student that takes per-frame timesteps; the "
-                f"{self.student.family} family's {type(self.student.transformer).__name__} does not "
-                f"(use method.name: finetune)"
+                f"{type(self).__name__}: the {self.student.family} family cannot take a timestep per latent frame: "
+                f"{self.student.per_frame_refusal} (use method.name: finetune)"
             )
         block = getattr(self.student, "causal_block_size", None)
         if block is not None and block != self._chunk_size:
@@ -53,8 +52,18 @@ class DiffusionForcingSFTMethod(TrainingMethod):
             )
 
     def _build_training_weights(self) -> torch.Tensor:
-        mode = self.method_config.get("weighting", "index")
-        return self.table.dfsft_weights(mode).to(self.device)
+        """The bell weights of the initial table (the seed's attribute); `training_weights` gives
+        those of each batch's table (they depend on its timesteps in 'timestep' mode)."""
+        self._weighting = self.method_config.get("weighting", "index")
+        weights = self.table.dfsft_weights(self._weighting).to(self.device)
+        self._weights_per_table = {(self.table.shift, self.table.num_train_timesteps): weights}
+        return weights
+
+    def training_weights(self) -> torch.Tensor:
+        key = (self.table.shift, self.table.num_train_timesteps)
+        if key not in self._weights_per_table:
+            self._weights_per_table[key] = self.table.dfsft_weights(self._weighting).to(self.device)
+        return self._weights_per_table[key]
 
     def _prepare(self, batch: dict[str, Any], generator: Any = None) -> TrainingBatch:
         """SFT preparation (noise reused, homogeneous index discarded), then per-chunk noise levels.
@@ -81,7 +90,7 @@ class DiffusionForcingSFTMethod(TrainingMethod):
         clean condition frames carry none."""
         per_frame = self.per_frame_loss(pred, tb)  # [B, T]
         k = tb.conditioning.clean_frames if tb.conditioning is not None else 0
-        weights = self._training_weights.to(per_frame.device)[tb.timestep_indices[:, k:]]
+        weights = self.training_weights().to(per_frame.device)[tb.timestep_indices[:, k:]]
         return (per_frame[:, k:] * weights).mean()
 
     def single_train_step(

@@ -1,0 +1,340 @@
+"""The generic diffusers-transformer student: what every family shares.
+
+A family (one file under fv_accel/models/) subclasses `DiffusersStudent` and adds what is its own:
+`forward` (conventions, packing, extra inputs), its conditioning, encoders, latent statistics and
+sample pipeline. This class loads the transformer (Hub id or local folder, safetensors only, or an
+inline config), freezes or trains it, adds LoRA through peft, keeps LoRA checkpoints, writes the
+final weights in diffusers' layouts, and builds the training table's shift from the recipe or the
+repo's own scheduler config.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from fv_accel.config import RunConfig, StudentConfig
+from fv_accel.models.base import ModelBase
+from fv_accel.models.loading import DTYPES, fetch_config, load_transformer
+
+logger = logging.getLogger(__name__)
+
+
+def build_family_transformer(
+    family: type[ModelBase], cfg: StudentConfig, subfolder: Optional[str] = None
+) -> tuple[torch.nn.Module, str]:
+    """The transformer of `cfg` as one of `family`'s classes, and its kind (the recipe's model_class).
+
+    Loaded from `cfg.init_from` (class read from its config.json) or built from the inline
+    `transformer_config` (seeded by the caller)."""
+    classes = family.transformer_classes
+    class_to_kind = {cls.__name__: kind for kind, cls in classes.items()}
+    if cfg.init_from is None:
+        kind = next(iter(classes)) if cfg.model_class == "auto" else cfg.model_class
+        transformer = classes[kind](**dict(cfg.transformer_config or {}))
+        if cfg.torch_dtype != "float32":
+            transformer = transformer.to(DTYPES[cfg.torch_dtype])
+        return transformer, kind
+    transformer = load_transformer(cfg, classes, class_to_kind, subfolder=subfolder)
+    return transformer, class_to_kind[type(transformer).__name__]
+
+
+def calculate_shift(tokens: int, base_seq_len: int, max_seq_len: int, base_shift: float, max_shift: float) -> float:
+    """diffusers' `mu` of resolution-dependent shifting: linear in the token count."""
+    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return tokens * slope + (base_shift - slope * base_seq_len)
+
+
+def scheduler_shift(config: dict, tokens: int) -> float:
+    """The static shift a flow-matching scheduler config applies to latents of `tokens` tokens.
+
+    With `use_dynamic_shifting`, diffusers maps sigma to exp(mu) / (exp(mu) + 1/sigma - 1) (the
+    exponential time shift), which is the static map shift * s / (1 + (shift - 1) * s) with
+    shift = exp(mu)."""
+    if config.get("use_dynamic_shifting"):
+        if config.get("time_shift_type", "exponential") != "exponential":
+            raise ValueError(f"scheduler time_shift_type {config.get('time_shift_type')!r} is not supported (exponential only)")
+        mu = calculate_shift(
+            tokens,
+            int(config.get("base_image_seq_len", 256)),
+            int(config.get("max_image_seq_len", 4096)),
+            float(config.get("base_shift", 0.5)),
+            float(config.get("max_shift", 1.15)),
+        )
+        return math.exp(mu)
+    shift = config.get("shift", config.get("flow_shift"))
+    return 1.0 if shift is None else float(shift)
+
+
+class DiffusersStudent(ModelBase):
+    """A student made of one diffusers transformer (families with more override `build_transformers`)."""
+
+    # Recipes for a family without its own scheduler config (an inline transformer_config) train
+    # on this shift unless `models.student.flow_shift` says otherwise.
+    default_flow_shift: float = 3.0
+    # Where `latent_statistics` reads a repo's statistics (named in messages).
+    latent_statistics_source: str = "vae"
+
+    def __init__(self, cfg: RunConfig, *, trainable: bool = True):
+        super().__init__()
+        self.run_config = cfg
+        self.student_config = st = cfg.models.student
+        self.expert: Optional[str] = None
+        self.transformer, self.kind, self.modules = self.build_transformers(st)
+        self._trainable = trainable
+        config = self.modules[0].config
+        self.in_channels = self.latent_channels(config)
+        self.patch_size = self.patch_size_of(config)
+        self.configure(config)
+        self.transformer.requires_grad_(trainable)
+        self.causal_attention = None
+        if st.causal:
+            self.install_causal_attention(cfg)
+        self._check_saved_attention()
+        # LoRA (peft): base frozen, adapter trainable in fp32; PiSSA's initial adapter is kept to
+        # export against the original base (fv_accel/models/lora.py).
+        self.lora_enabled = bool(st.lora.enable and trainable)
+        self.pissa_init_adapter: Optional[dict] = None
+        if self.lora_enabled:
+            from fv_accel.models.lora import apply_lora
+
+            if len(self.modules) > 1 and st.lora.init == "pissa":
+                raise ValueError("models.student.lora.init: pissa is supported for one transformer only")
+            for module in self.modules:
+                self.pissa_init_adapter = apply_lora(module, st.lora)
+        self.input_dtype = self.input_dtype_of(self.modules[0])
+        self.after_setup()
+        if cfg.training.model.enable_gradient_checkpointing_type == "full":
+            self.transformer.enable_gradient_checkpointing()
+        self._scheduler_config: Any = False  # read on first use
+
+    # ---- hooks a family overrides ----
+    def build_transformers(self, st: StudentConfig) -> tuple[torch.nn.Module, str, list[torch.nn.Module]]:
+        """(the module trained, its kind, the diffusers transformers inside it)."""
+        transformer, kind = build_family_transformer(type(self), st, st.subfolder or None)
+        return transformer, kind, [transformer]
+
+    def latent_channels(self, config: Any) -> int:
+        """Latent channels of x_t (the data's C)."""
+        return int(config.get("out_channels") or config.get("in_channels"))
+
+    def patch_size_of(self, config: Any) -> tuple[int, int, int]:
+        """(temporal, height, width) patch of the transformer's tokens."""
+        patch = config.get("patch_size", 1)
+        if isinstance(patch, (list, tuple)):
+            if len(patch) == 3:
+                return tuple(int(p) for p in patch)  # type: ignore[return-value]
+            patch = patch[-1]
+        return int(config.get("patch_size_t") or 1), int(patch), int(patch)
+
+    def configure(self, config: Any) -> None:
+        """Read the model's variant from its configs (before LoRA is added)."""
+
+    def after_setup(self) -> None:
+        """Last step of construction (after LoRA): install hooks on the transformer."""
+
+    def input_dtype_of(self, module: torch.nn.Module) -> torch.dtype:
+        """The dtype inputs are cast to: the one the weights were loaded in."""
+        return DTYPES[self.student_config.torch_dtype]
+
+    def install_causal_attention(self, cfg: RunConfig) -> None:
+        raise ValueError(
+            f"models.student.causal: the {self.family} family has no block-causal attention; remove the key "
+            "(or use a family that has it: wan)"
+        )
+
+    # ---- the training table ----
+    @property
+    def scheduler_config(self) -> Optional[dict]:
+        """The repo's scheduler/scheduler_config.json (None for an inline transformer config)."""
+        if self._scheduler_config is False:
+            st = self.student_config
+            self._scheduler_config = None
+            if st.init_from is not None:
+                self._scheduler_config = fetch_config(
+                    st.init_from, "scheduler", revision=st.revision, required=False, filename="scheduler_config.json"
+                )
+        return self._scheduler_config
+
+    def tokens(self, latent_shape: torch.Size) -> int:
+        pt, ph, pw = self.patch_size
+        return (int(latent_shape[2]) // pt) * (int(latent_shape[3]) // ph) * (int(latent_shape[4]) // pw)
+
+    def training_shift(self, latent_shape: torch.Size) -> float:
+        """`models.student.flow_shift`, else the shift of the repo's scheduler config for this
+        many tokens, else `default_flow_shift`."""
+        st = self.student_config
+        if st.flow_shift is not None:
+            return float(st.flow_shift)
+        if self.scheduler_config is None:
+            return float(self.default_flow_shift)
+        return scheduler_shift(self.scheduler_config, self.tokens(latent_shape))
+
+    def describe_training_shift(self) -> Any:
+        st = self.student_config
+        if st.flow_shift is not None:
+            return float(st.flow_shift)
+        sc = self.scheduler_config
+        if sc is None:
+            return float(self.default_flow_shift)
+        if sc.get("use_dynamic_shifting"):
+            keys = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
+            return {"dynamic": {k: sc.get(k) for k in keys}}
+        return scheduler_shift(sc, 0)
+
+    # ---- set-up ----
+    def init_preprocessors(self, training_config: Any) -> None:
+        """Latent statistics: the recipe's, else the repo's (`latent_statistics`)."""
+        del training_config
+        st = self.student_config
+        mean, std = st.latents_mean, st.latents_std
+        where = "models.student"
+        if mean is None and st.init_from is not None:
+            stats = type(self).latent_statistics(st.init_from, st.revision)
+            if stats is not None:
+                mean, std = stats
+                where = f"{st.init_from}/{self.latent_statistics_source}"
+        self.set_latent_statistics(mean, std, where)
+
+    def attach_accelerator(self, accelerator: Any) -> None:
+        super().attach_accelerator(accelerator)
+        if self.lora_enabled:
+            from fv_accel.models.lora import register_adapter_checkpointing
+
+            # Checkpoints of a LoRA run hold the adapter (+ Accelerate's optimizer/scheduler/RNG).
+            register_adapter_checkpointing(
+                accelerator,
+                lambda: self.transformer,
+                lambda: self.lora_files_state(accelerator),
+                self.load_lora_files_state,
+                pipeline_cls=self.lora_pipeline_class(self.kind),
+            )
+
+    # ---- LoRA state (checkpoints and final files) ----
+    def _unwrapped(self, accelerator: Any = None) -> torch.nn.Module:
+        accelerator = accelerator or self.accelerator
+        return accelerator.unwrap_model(self.transformer) if accelerator is not None else self.transformer
+
+    def lora_files_state(self, accelerator: Any = None) -> tuple[dict, dict]:
+        """The adapter as written to files (diffusers keys, fp32) and its metadata, against the
+        original base. Collective under FSDP/DeepSpeed (gathers the sharded state dict)."""
+        from accelerate.utils import DistributedType
+
+        from fv_accel.models.lora import adapter_metadata, adapter_state_dict, deployable_lora
+
+        full = None
+        if accelerator is not None and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            full = accelerator.get_state_dict(self.transformer)
+        module = self._unwrapped(accelerator)
+        state = adapter_state_dict(module, full_state_dict=full)
+        return deployable_lora(state, adapter_metadata(module), self.pissa_init_adapter)
+
+    def check_lora_file_rank(self, metadata: Optional[dict]) -> None:
+        lora = self.student_config.lora
+        # Files of a PiSSA run hold the adapter converted to rank 2r (see deployable_lora).
+        expected_rank = 2 * lora.rank if lora.init == "pissa" else lora.rank
+        if metadata is None or int(metadata.get("r", -1)) != expected_rank:
+            raise ValueError(
+                f"the checkpoint's LoRA has rank {None if metadata is None else metadata.get('r')} but "
+                f"models.student.lora is rank {lora.rank}, init {lora.init} (expected {expected_rank} in the file)"
+            )
+
+    def load_lora_files_state(self, state: dict, metadata: Optional[dict]) -> None:
+        """Restore the trained adapter from a file written by `lora_files_state` (resume)."""
+        from fv_accel.models.lora import set_adapter_state_dict, trained_part_of_deployable
+
+        self.check_lora_file_rank(metadata)
+        set_adapter_state_dict(self._unwrapped(), trained_part_of_deployable(state, metadata, self.student_config.lora))
+
+    def lora_files(self, state: dict) -> dict[str, dict]:
+        """File-name suffix -> the part of the adapter state written under it."""
+        return {"": state}
+
+    # ---- causal attention records ----
+    def causal_spec(self) -> Any:
+        return None if self.causal_attention is None else self.causal_attention.spec
+
+    def _check_saved_attention(self) -> None:
+        """Warn when the weights were saved causal and this recipe loads them otherwise."""
+        from fv_accel.models.attention import SAVED_ATTENTION_KEY, saved_attention_mismatch
+
+        saved = self.modules[0].config.get(SAVED_ATTENTION_KEY)
+        where = self.student_config.init_from or "models.student.transformer_config"
+        message = saved_attention_mismatch(saved, self.causal_spec(), where)
+        if message:
+            logger.warning(message)
+
+    def base_model_info(self) -> dict:
+        from fv_accel.models.attention import attention_record
+
+        st = self.student_config
+        return {
+            "attention": attention_record(self.causal_spec()),
+            "family": self.family,
+            "init_from": st.init_from,
+            "revision": st.revision,
+            "subfolder": st.subfolder,
+            "variant": st.variant,
+            "torch_dtype": st.torch_dtype,
+            "model_class": self.kind,
+            "transformer_config": None if st.init_from is not None else st.transformer_config,
+        }
+
+    # ---- outputs ----
+    def save_final(self, accelerator: Any, output_dir: Any) -> None:
+        """Write the trained weights: for a LoRA run `pytorch_lora_weights.safetensors` (diffusers,
+        with adapter metadata), the ComfyUI-format file where the family has one and
+        `base_model.json`; otherwise the transformer as a diffusers folder (`transformer_folders`).
+
+        `get_state_dict` gathers sharded parameters (FSDP2, ZeRO-3) on every rank; only the main
+        process writes, safetensors only.
+        """
+        from accelerate.utils import DistributedType
+
+        if self.lora_enabled:
+            from fv_accel.models.lora import save_lora_outputs
+
+            state, metadata = self.lora_files_state(accelerator)
+            if accelerator.is_main_process:
+                for suffix, part in self.lora_files(state).items():
+                    save_lora_outputs(
+                        output_dir, part, metadata, family=type(self), kind=self.kind, base=self.base_model_info(),
+                        suffix=suffix,
+                    )
+            accelerator.wait_for_everyone()
+            return
+        folders = self.transformer_folders(accelerator)
+        if len(folders) > 1:  # unsharded by construction (several transformers run under DDP only)
+            if accelerator.is_main_process:
+                for sub, module in folders.items():
+                    module.save_pretrained(Path(output_dir) / sub, safe_serialization=True)
+            accelerator.wait_for_everyone()
+            return
+        ((sub, unwrapped),) = folders.items()
+        out = Path(output_dir) / sub
+        sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        state_dict = accelerator.get_state_dict(self.transformer) if sharded else None
+        if accelerator.is_main_process:
+            if state_dict is not None:
+                # Rebuild a plain module from the gathered full state dict, then save it. Built
+                # empty and filled by assignment: no random init, no second copy of a large model.
+                # The class comes from the kind, not type(): FSDP2 swaps in an FSDP<cls> subclass.
+                from accelerate import init_empty_weights
+
+                with init_empty_weights():
+                    plain = self.transformer_classes[self.kind].from_config(unwrapped.config)
+                plain.load_state_dict(state_dict, strict=True, assign=True)
+                unwrapped = plain
+            unwrapped.save_pretrained(out, safe_serialization=True)
+            from fv_accel.models.attention import attention_record, mark_saved_attention
+
+            mark_saved_attention(out / "config.json", attention_record(self.causal_spec()))
+        accelerator.wait_for_everyone()
+
+    def transformer_folders(self, accelerator: Any) -> dict[str, torch.nn.Module]:
+        """Output subfolder -> the (unwrapped) transformer saved there."""
+        return {"transformer": accelerator.unwrap_model(self.transformer)}
