@@ -11,9 +11,10 @@ import torch
 
 @pytest.fixture(scope="module")
 def hv_dir(tmp_path_factory):
-    from fv_accel.tiny.hunyuan_video import write_tiny_hunyuan_video
+    """The tiny model as `python -m fv_accel.tiny_model DIR --model hunyuan_video` writes it."""
+    from fv_accel.tiny.registry import all_tiny_models
 
-    return write_tiny_hunyuan_video(tmp_path_factory.mktemp("tiny_hv") / "hunyuan_video", seed=0)
+    return all_tiny_models()["hunyuan_video"].write(tmp_path_factory.mktemp("tiny_hv") / "hunyuan_video", 0)
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +132,252 @@ def test_trailing_text_padding_does_not_change_the_output(hv_pipe):
         out = transformer(**inputs)[0]
         out_padded = transformer(**{**inputs, "encoder_hidden_states": padded, "encoder_attention_mask": mask})[0]
     torch.testing.assert_close(out_padded, out, rtol=1e-4, atol=1e-5)
+
+
+# ---- the family (fv_accel/models/hunyuan_video.py) ----
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def hv_data(hv_dir, tmp_path_factory):
+    """The tiny HunyuanVideo model's dataset: 2 clips of 17 frames at 64x64."""
+    from fv_accel.data.video import FrameSampling
+    from fv_accel.preprocess import preprocess
+    from fv_accel.tiny.data import write_tiny_videos
+
+    root = tmp_path_factory.mktemp("hv_data")
+    write_tiny_videos(root / "clips", num_clips=2, num_frames=17, height=64, width=64, seed=0)
+    sampling = FrameSampling(num_frames=(17,), buckets=((64, 64),), seed=0)
+    result = preprocess(str(hv_dir), str(root / "clips"), root / "data", sampling, device=CPU, dtype=torch.float32)
+    assert result.encoded == 2, result.summary
+    return root / "data"
+
+
+def hv_overrides(tmp_path, hv_dir, hv_data, **extra):
+    over = {
+        "models.student.init_from": str(hv_dir),
+        "training.data.data_path": str(hv_data),
+        "training.data.train_batch_size": 1,
+        "training.loop.max_train_steps": 2,
+        "training.checkpoint.output_dir": str(tmp_path / "out"),
+        "training.checkpoint.training_state_checkpointing_steps": 0,
+        "training.tracker.trackers": ["none"],
+        "callbacks.validation.enable": False,
+        "callbacks.ema.enable": False,
+    }
+    over.update(extra)
+    return over
+
+
+def hv_student(hv_dir, hv_data, tmp_path, **extra):
+    from fv_accel.config import default_recipe, load_config
+    from fv_accel.models import build_student
+
+    cfg = load_config(default_recipe("finetune"), hv_overrides(tmp_path, hv_dir, hv_data, **extra))
+    torch.manual_seed(0)
+    student = build_student(cfg)
+    student.init_preprocessors(cfg.training)
+    return student
+
+
+def test_preprocessing_stores_both_text_encoders_as_the_pipeline_computes_them(hv_dir, hv_pipe, hv_data):
+    import pyarrow.parquet as pq
+
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+
+    from fv_accel.data.schema import read_dataset_info, read_tensor_column
+
+    template = DEFAULT_PROMPT_TEMPLATE["template"]
+
+    rows = [r for f in sorted(hv_data.glob("data-*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert len(rows) == 2
+    scaling = hv_pipe.vae.config.scaling_factor
+    info = read_dataset_info(hv_data)
+    assert info["latents_mean"] == [0.0] * 16 and info["latents_std"] == pytest.approx([1 / scaling] * 16)
+    for row in rows:
+        latent = read_tensor_column(row, "vae_latent")
+        assert tuple(latent.shape) == (16, 5, 8, 8)  # (17 - 1) / 4 + 1 frames, 64 / 8
+        text = read_tensor_column(row, "text_embedding")
+        pooled = read_tensor_column(row, "pooled_text_embedding")
+        embeds, pooled_ref, mask = hv_pipe.encode_prompt(prompt=row["caption"], device=CPU)
+        n = int(mask.sum())
+        # the caption's tokens and <|eot_id|>: the templated prompt's tokens after the crop
+        assert text.shape == (n, 32) and n == len(hv_pipe.tokenizer(template.format(row["caption"])).input_ids) - 95
+        torch.testing.assert_close(text, embeds[0, :n], rtol=0, atol=1e-6)
+        torch.testing.assert_close(pooled, pooled_ref[0], rtol=0, atol=1e-6)
+
+
+def test_family_forward_matches_the_stock_transformer_call_and_feeds_the_guidance(hv_dir, hv_pipe, hv_data, tmp_path):
+    from fv_accel.models.hunyuan_video import PIPELINE_GUIDANCE, HunyuanVideoStudent
+
+    student = hv_student(hv_dir, hv_data, tmp_path)
+    assert isinstance(student, HunyuanVideoStudent) and student.guidance == PIPELINE_GUIDANCE == 6.0
+    assert student.training_shift(torch.Size([1, 16, 5, 8, 8])) == 7.0  # the repo's scheduler shift
+    scaling = hv_pipe.vae.config.scaling_factor
+    torch.testing.assert_close(student.latents_std.flatten(), torch.full((16,), 1 / scaling))
+    g = torch.Generator().manual_seed(1)
+    x_t = torch.randn(2, 16, 5, 8, 8, generator=g)
+    t = torch.tensor([900.0, 250.0])
+    embeds, pooled, mask = hv_pipe.encode_prompt(prompt=["a red ball", "the blue square moving left"], device=CPU)
+    # The batch as the loader gives it: real tokens, zero padding to 512, the mask.
+    text = torch.zeros(2, 512, 32)
+    text_mask = torch.zeros(2, 512, dtype=torch.long)
+    for i in range(2):
+        n = int(mask[i].sum())
+        text[i, :n], text_mask[i, :n] = embeds[i, :n], 1
+    batch = {"text_embedding": text, "text_attention_mask": text_mask, "pooled_text_embedding": pooled}
+    cond = student.build_conditioning(batch)
+    student.transformer.eval()
+    with torch.no_grad():
+        out = student.forward(x_t, t, cond)
+        ref = hv_pipe.transformer(
+            hidden_states=x_t, timestep=t, encoder_hidden_states=embeds, encoder_attention_mask=mask.float(),
+            pooled_projections=pooled, guidance=torch.full((2,), 6000.0), return_dict=False,
+        )[0]
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)  # 256-padded pipeline input, same output
+        student.guidance = 1.0
+        other = student.forward(x_t, t, cond)
+        uncond = student.forward(x_t, t, cond.unconditional())
+    assert (other - out).abs().max() > 1e-4  # the guidance value reaches the transformer
+    assert (uncond - out).abs().max() > 1e-4  # the pooled and sequence text both zeroed
+    # A per-frame timestep that varies over frames cannot be taken; a constant one is one per sample.
+    with pytest.raises(ValueError, match="one timestep per sample"):
+        student.forward(x_t, torch.tensor([[900.0] * 4 + [100.0]] * 2), cond)
+    with torch.no_grad():
+        student.guidance = 6.0
+        torch.testing.assert_close(student.forward(x_t, t[:, None].expand(2, 5), cond), out)
+
+
+def test_dfsft_is_refused_at_build_time_with_one_line(hv_dir, hv_data, tmp_path):
+    from fv_accel.build import build_from_config
+    from fv_accel.config import default_recipe
+
+    with pytest.raises(ValueError) as err:
+        build_from_config(default_recipe("dfsft"), hv_overrides(tmp_path, hv_dir, hv_data, **{"method.chunk_size": 2}))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "hunyuan_video" in message and "one timestep per sample" in message
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_finetune_saves_what_the_stock_pipeline_loads_and_samples_17_frames(hv_dir, hv_data, tmp_path, lora):
+    from diffusers import DiffusionPipeline, HunyuanVideoTransformer3DModel
+    from safetensors.torch import load_file
+
+    from fv_accel.build import build_from_config
+    from fv_accel.config import default_recipe
+    from fv_accel.trainer import Trainer
+
+    over = hv_overrides(tmp_path, hv_dir, hv_data, **{"models.student.lora.enable": lora})
+    Trainer(build_from_config(default_recipe("finetune"), over)).run()
+    out = tmp_path / "out"
+    pipe = DiffusionPipeline.from_pretrained(hv_dir)
+    pipe.set_progress_bar_config(disable=True)
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    if lora:
+        pipe.load_lora_weights(str(out), adapter_name="trained")
+        pipe.fuse_lora(components=["transformer"], lora_scale=1.0)
+        pipe.unload_lora_weights()
+        after = pipe.transformer.state_dict()
+        changed = {k for k in before if not torch.equal(before[k], after[k])}
+        assert any("transformer_blocks.0.attn.to_q" in k for k in changed)
+        assert any("single_transformer_blocks.0.attn.to_k" in k for k in changed)
+        assert all(k.endswith(("to_q.weight", "to_k.weight", "to_v.weight", "to_out.0.weight")) for k in changed)
+        comfy = load_file(str(out / "pytorch_lora_weights_comfyui.safetensors"))
+        assert "diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight" in comfy
+        assert "diffusion_model.single_blocks.0.linear1.lora_B.weight" in comfy
+    else:
+        pipe.transformer = HunyuanVideoTransformer3DModel.from_pretrained(out / "transformer")
+        after = pipe.transformer.state_dict()
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    frames = pipe(
+        prompt="a red ball moving left", height=64, width=64, num_frames=17, num_inference_steps=2,
+        output_type="np", generator=torch.Generator().manual_seed(0),
+    ).frames
+    assert frames.shape == (1, 17, 64, 64, 3)
+
+
+def test_sample_latents_runs_the_stock_pipeline_around_the_live_transformer(hv_dir, hv_pipe, hv_data, tmp_path):
+    from fv_accel.models.base import Conditioning
+    from fv_accel.sampling import sampling_scheduler
+
+    student = hv_student(hv_dir, hv_data, tmp_path)
+    embeds, pooled, mask = hv_pipe.encode_prompt(prompt="a red ball", device=CPU)
+    cond = Conditioning(text=embeds, text_mask=mask.long(), pooled_text=pooled)
+    common = dict(height=64, width=64, num_frames=17, num_inference_steps=2, guidance_scale=6.0, shift=7.0)
+    latents = student.sample_latents(hv_pipe.vae, cond, None, generator=torch.Generator().manual_seed(3), **common)
+    assert latents.shape == (1, 16, 5, 8, 8)
+    hv_pipe.scheduler = sampling_scheduler(7.0)
+    ref = hv_pipe(
+        prompt_embeds=embeds, pooled_prompt_embeds=pooled, prompt_attention_mask=mask, output_type="latent",
+        generator=torch.Generator().manual_seed(3), **{k: v for k, v in common.items() if k != "shift"},
+    ).frames
+    torch.testing.assert_close(latents, ref.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_comfyui_file_is_the_same_adapter_in_the_original_layout(hv_dir):
+    """Fused q/k/v (and the single blocks' q/k/v/mlp) LoRAs, read back by diffusers' own loader of the
+    original HunyuanVideo layout, give the same weights as the diffusers file (double blocks: that
+    loader's single-block split assumes the real 3072 width); every fused delta is the parts' deltas."""
+    from diffusers import HunyuanVideoPipeline, HunyuanVideoTransformer3DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from fv_accel.models.hunyuan_video import hunyuan_comfyui_lora
+
+    def fresh():
+        return HunyuanVideoTransformer3DModel.from_pretrained(hv_dir, subfolder="transformer")
+
+    model = fresh()
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff.net.2"]
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights="gaussian"))
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_()
+    state = get_peft_model_state_dict(model)
+    alphas = {k.split(".lora_A.")[0]: 8.0 for k in state if ".lora_A." in k}
+    comfy = hunyuan_comfyui_lora(state, alphas, mlp_width=64)
+    # single block 0: linear1 = [q; k; v; mlp] rows; no proj_mlp LoRA -> zero mlp rows
+    fused = comfy["diffusion_model.single_blocks.0.linear1.lora_B.weight"] @ comfy["diffusion_model.single_blocks.0.linear1.lora_A.weight"]
+    parts = [2.0 * state[f"single_transformer_blocks.0.attn.{p}.lora_B.weight"] @ state[f"single_transformer_blocks.0.attn.{p}.lora_A.weight"] for p in ("to_q", "to_k", "to_v")]
+    torch.testing.assert_close(fused, torch.cat(parts + [torch.zeros(64, 32)]))
+    assert not any(k.endswith(".alpha") for k in comfy)
+
+    def merged(sd):
+        pipe = HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=fresh(), vae=None, scheduler=None,
+                                    text_encoder_2=None, tokenizer_2=None)
+        pipe.load_lora_weights(dict(sd), adapter_name="x")
+        pipe.fuse_lora(components=["transformer"], lora_scale=1.0)
+        pipe.unload_lora_weights()
+        return pipe.transformer.state_dict()
+
+    double = {k: v for k, v in state.items() if k.startswith("transformer_blocks.")}
+    # diffusers' keys without metadata load at scale 1: fold alpha / r = 2 into lora_B
+    ref = merged({"transformer." + k: v * (2.0 if "lora_B" in k else 1.0) for k, v in double.items()})
+    got = merged({k: v for k, v in comfy.items() if ".double_blocks." in k})
+    base = fresh().state_dict()
+    assert sum(not torch.equal(ref[k], base[k]) for k in base) == 9  # q, k, v, add_q/k/v, to_out, to_add_out, ff
+    for k in base:
+        torch.testing.assert_close(got[k], ref[k], rtol=0, atol=1e-6)
+
+
+def test_the_lora_recipe_resolves_and_dry_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "train_finetune.py", "--config", "configs/hunyuan_video_lora.yaml", "--dry-run"],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    st = printed["models"]["student"]
+    assert st["init_from"] == "hunyuanvideo-community/HunyuanVideo" and st["lora"]["enable"] is True
+    assert st["flow_shift"] is None  # the repo's scheduler shift (7.0) trains
+    assert printed["callbacks"]["validation"]["guidance_scale"] == 6.0
+    assert printed["training"]["data"]["num_latent_t"] == (printed["training"]["data"]["num_frames"] - 1) // 4 + 1

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from fv_accel.tiny.model import TINY_VOCAB_WORDS
+from fv_accel.tiny.model import TINY_VOCAB_WORDS, TinyModel
 
 TINY_HUNYUAN_LAYOUT = "hunyuanvideo-community/HunyuanVideo"
 TINY_LLAMA_DIM = 32
@@ -308,3 +308,14 @@ def write_tiny_hunyuan_video(out_dir: str | Path, seed: int = 0) -> Path:
         child.replace(target)
     partial.rmdir()
     return out
+
+
+# `python -m fv_accel.tiny_model DIR --model hunyuan_video` (fv_accel.tiny.registry)
+TINY_MODEL_ENTRIES = {
+    "hunyuan_video": TinyModel(
+        summary="HunyuanVideoPipeline: Llama + CLIP text encoders, guidance-embedding transformer, HunyuanVideo VAE "
+        "(16 channels, 8x spatial, 4x temporal)",
+        layout=TINY_HUNYUAN_LAYOUT,
+        write=lambda out, seed: write_tiny_hunyuan_video(out, seed=seed),
+    )
+}
