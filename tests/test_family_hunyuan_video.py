@@ -246,6 +246,14 @@ def test_family_forward_matches_the_stock_transformer_call_and_feeds_the_guidanc
     with torch.no_grad():
         student.guidance = 6.0
         torch.testing.assert_close(student.forward(x_t, t[:, None].expand(2, 5), cond), out)
+    # The recipe's value is the one fed: models.student.guidance 1.0 gives the output of guidance 1.0.
+    recipe_student = hv_student(hv_dir, hv_data, tmp_path, **{"models.student.guidance": 1.0})
+    assert recipe_student.guidance == 1.0
+    recipe_student.transformer.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(recipe_student.forward(x_t, t, cond), other)
+    with pytest.raises(ValueError, match="has no guidance embedding"):
+        recipe_student.configure({"guidance_embeds": False})  # a transformer without the input refuses a value
 
 
 def test_dfsft_is_refused_at_build_time_with_one_line(hv_dir, hv_data, tmp_path):
@@ -379,5 +387,5 @@ def test_the_lora_recipe_resolves_and_dry_runs():
     st = printed["models"]["student"]
     assert st["init_from"] == "hunyuanvideo-community/HunyuanVideo" and st["lora"]["enable"] is True
     assert st["flow_shift"] is None  # the repo's scheduler shift (7.0) trains
-    assert printed["callbacks"]["validation"]["guidance_scale"] == 6.0
+    assert st["guidance"] == 6.0 and printed["callbacks"]["validation"]["guidance_scale"] == 6.0
     assert printed["training"]["data"]["num_latent_t"] == (printed["training"]["data"]["num_frames"] - 1) // 4 + 1
