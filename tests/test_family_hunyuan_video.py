@@ -347,8 +347,13 @@ def test_comfyui_file_is_the_same_adapter_in_the_original_layout(hv_dir):
     alphas = {k.split(".lora_A.")[0]: 8.0 for k in state if ".lora_A." in k}
     comfy = hunyuan_comfyui_lora(state, alphas, mlp_width=64)
     # single block 0: linear1 = [q; k; v; mlp] rows; no proj_mlp LoRA -> zero mlp rows
-    fused = comfy["diffusion_model.single_blocks.0.linear1.lora_B.weight"] @ comfy["diffusion_model.single_blocks.0.linear1.lora_A.weight"]
-    parts = [2.0 * state[f"single_transformer_blocks.0.attn.{p}.lora_B.weight"] @ state[f"single_transformer_blocks.0.attn.{p}.lora_A.weight"] for p in ("to_q", "to_k", "to_v")]
+    linear1 = "diffusion_model.single_blocks.0.linear1"
+    fused = comfy[f"{linear1}.lora_B.weight"] @ comfy[f"{linear1}.lora_A.weight"]
+
+    def delta(module: str) -> torch.Tensor:  # alpha / r = 2
+        return 2.0 * state[f"{module}.lora_B.weight"] @ state[f"{module}.lora_A.weight"]
+
+    parts = [delta(f"single_transformer_blocks.0.attn.{p}") for p in ("to_q", "to_k", "to_v")]
     torch.testing.assert_close(fused, torch.cat(parts + [torch.zeros(64, 32)]))
     assert not any(k.endswith(".alpha") for k in comfy)
 

@@ -46,8 +46,8 @@ PIPELINE_GUIDANCE = 6.0
 
 
 # ---- ComfyUI LoRA layout ----
-# diffusers module (inside a block) -> the original HunyuanVideo name ComfyUI reads from
-# `diffusion_model.<name>.lora_down/lora_up.weight` (ComfyUI's comfy/lora.py maps its HunyuanVideo
+# diffusers module (inside a block) -> the original HunyuanVideo name, under which ComfyUI reads a
+# LoRA (`diffusion_model.<name>.lora_A/lora_B.weight`: ComfyUI's comfy/lora.py maps its HunyuanVideo
 # modules to these names, the diffusion-pipe / original layout; diffusers'
 # `_convert_hunyuan_video_lora_to_diffusers` reads the same names). Names in FUSED_* are one fused
 # linear layer in the original model (q, k, v [, mlp] stacked along the output).
