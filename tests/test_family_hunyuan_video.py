@@ -254,6 +254,8 @@ def test_family_forward_matches_the_stock_transformer_call_and_feeds_the_guidanc
         torch.testing.assert_close(recipe_student.forward(x_t, t, cond), other)
     with pytest.raises(ValueError, match="has no guidance embedding"):
         recipe_student.configure({"guidance_embeds": False})  # a transformer without the input refuses a value
+    with pytest.raises(ValueError, match=r"image_condition_type 'latent_concat'\) is not supported"):
+        recipe_student.configure({"guidance_embeds": True, "image_condition_type": "latent_concat"})
 
 
 def test_dfsft_is_refused_at_build_time_with_one_line(hv_dir, hv_data, tmp_path):

@@ -264,6 +264,17 @@ def real_text(cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
     return text[:, :keep], mask[:, :keep]
 
 
+def check_text_to_video(transformer_config: Any, where: str) -> None:
+    """The family trains HunyuanVideo text-to-video; HunyuanVideo-I2V's transformer (its
+    `image_condition_type`, latent_concat or token_replace) needs image conditioning it lacks."""
+    kind = transformer_config.get("image_condition_type")
+    if kind is not None:
+        raise ValueError(
+            f"model '{where}': a HunyuanVideo image-to-video transformer (image_condition_type {kind!r}) is not "
+            f"supported by the hunyuan_video family (text-to-video only)"
+        )
+
+
 def latent_statistics_of(vae_config: Any) -> tuple[list[float], list[float]]:
     channels = int(vae_config["latent_channels"])
     scale = float(vae_config["scaling_factor"])
@@ -307,6 +318,7 @@ class HunyuanVideoStudent(DiffusersStudent):
 
         vae = fetch_config(model, "vae", revision=revision, required=True)
         transformer = fetch_config(model, "transformer", revision=revision, required=True)
+        check_text_to_video(transformer, model)
         p = int(transformer.get("patch_size", 2))
         return EncodingSpec(
             conditioning=(TEXT,),
@@ -351,10 +363,11 @@ class HunyuanVideoStudent(DiffusersStudent):
         return cond
 
     def configure(self, config: Any) -> None:
+        where = self.student_config.init_from or "models.student.transformer_config"
+        check_text_to_video(config, where)
         wanted = getattr(self.student_config, "guidance", None)
         if not config.get("guidance_embeds", False):
             if wanted is not None:
-                where = self.student_config.init_from or "models.student.transformer_config"
                 raise ValueError(
                     f"models.student.guidance is {wanted} but the transformer of '{where}' has no guidance embedding "
                     f"(guidance_embeds: false): remove the key"
