@@ -293,6 +293,7 @@ def test_finetune_saves_what_the_stock_pipeline_loads_and_samples_17_frames(hv_d
         assert any("transformer_blocks.0.attn.to_q" in k for k in changed)
         assert any("single_transformer_blocks.0.attn.to_k" in k for k in changed)
         assert all(k.endswith(("to_q.weight", "to_k.weight", "to_v.weight", "to_out.0.weight")) for k in changed)
+        assert json.loads((out / "base_model.json").read_text())["guidance"] == 6.0
         comfy = load_file(str(out / "pytorch_lora_weights_comfyui.safetensors"))
         assert "diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight" in comfy
         assert "diffusion_model.single_blocks.0.linear1.lora_B.weight" in comfy

@@ -465,6 +465,9 @@ class HunyuanVideoStudent(DiffusersStudent):
         return latents.float()
 
     # ---- outputs ----
+    def base_model_info(self) -> dict:
+        return {**super().base_model_info(), "guidance": self.guidance}
+
     def save_final(self, accelerator: Any, output_dir: Any) -> None:
         """The generic outputs, and for a LoRA run `pytorch_lora_weights_comfyui.safetensors`: the
         same adapter in the original HunyuanVideo layout (`hunyuan_comfyui_lora`), read back from
