@@ -44,6 +44,7 @@ def test_recipe_resolves_with_its_variant_keys(name):
 
 # Recipes of the other families -> the family's test file, which dry-runs each of them.
 FAMILY_RECIPES = {
+    "hunyuan_video_lora": "test_family_hunyuan_video.py",
     "ltx_video_lora": "test_family_ltx_video.py",
     "ltx_video_0_9_5_lora": "test_family_ltx_video.py",
     "ltx_video_0_9_5_dfsft": "test_family_ltx_video.py",
