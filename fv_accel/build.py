@@ -52,18 +52,114 @@ def build_accelerator(cfg: RunConfig):
     trackers = [t for t in cfg.training.tracker.trackers if t != "none"]
     from fv_accel.trainer import stop_signals_blocked_in_new_threads
 
+    cpu, group_kwargs = cpu_process_group(requested_engine())
     with stop_signals_blocked_in_new_threads():  # the process group's threads never take SIGTERM
         acc = Accelerator(
             gradient_accumulation_steps=cfg.training.loop.gradient_accumulation_steps,
             mixed_precision=mp,
+            cpu=cpu,
             log_with=trackers or None,
             project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
             # The LR schedule counts optimizer steps, whatever the number of processes.
             step_scheduler_with_optimizer=False,
-            kwargs_handlers=ddp_kwargs(cfg),
+            kwargs_handlers=ddp_kwargs(cfg) + group_kwargs,
         )
+    fsdp2_on_cpu(acc)
+    check_engine_matches_launch(acc)
     check_gradient_accumulation(acc, cfg)
     return acc
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
+
+
+def requested_engine() -> str:
+    """The engine the launch asked for: DEEPSPEED, FSDP, DDP or NO (one process). `accelerate
+    launch` exports ACCELERATE_USE_DEEPSPEED / ACCELERATE_USE_FSDP from the config's
+    distributed_type, and its launcher (torchrun) WORLD_SIZE."""
+    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        return "DEEPSPEED"
+    if _env_flag("ACCELERATE_USE_FSDP"):
+        return "FSDP"
+    return "DDP" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "NO"
+
+
+def engine_that_runs(acc) -> str:
+    """The engine an Accelerator runs, in `requested_engine`'s words (another type by its name)."""
+    from accelerate.utils import DistributedType
+
+    ran = acc.distributed_type
+    if ran in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        return ran.value
+    if ran == DistributedType.NO or acc.num_processes == 1:
+        return "NO"
+    return "DDP" if ran.value.startswith("MULTI_") else ran.value
+
+
+def no_device_backend() -> bool:
+    """No accelerator with a distributed backend of its own (a CPU machine): Accelerate then
+    chooses no process-group backend unless told (`accelerate.state.PartialState._prepare_backend`)."""
+    from accelerate.utils.imports import get_distributed_backend, get_torch_accelerator_backend
+
+    device_type, _ = get_torch_accelerator_backend()
+    return device_type is None or get_distributed_backend(device_type) is None
+
+
+def cpu_process_group(engine: str) -> tuple[bool, list]:
+    """`(cpu, kwargs_handlers)` for the Accelerator of a launched process (LOCAL_RANK set) on a
+    machine without an accelerator: the processes connect over gloo (Accelerate sets no backend
+    there, and each process would run alone). DeepSpeed must not be given `cpu` (Accelerate then
+    runs DDP instead); it gets gloo and runs on DeepSpeed's CPU accelerator. The other engines run
+    as Accelerate's MULTI_CPU (DDP over gloo), FSDP switched over by `fsdp2_on_cpu`."""
+    if int(os.environ.get("LOCAL_RANK", "-1")) == -1 or not no_device_backend():
+        return False, []
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return engine != "DEEPSPEED", [InitProcessGroupKwargs(backend="gloo")]
+
+
+def fsdp2_on_cpu(acc) -> None:
+    """An FSDP launch on CPU: Accelerate builds MULTI_CPU (DDP) and leaves the FSDP plugin of the
+    launch environment unused. Switch the run to FSDP with that plugin, so that Accelerate's own
+    FSDP2 path (torch `fully_shard`, sharded checkpoints with torch.distributed.checkpoint) runs
+    over gloo. (FSDP1 is refused by `configure_engine`.)"""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if acc.distributed_type != DistributedType.MULTI_CPU or requested_engine() != "FSDP":
+        return
+    plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* settings `accelerate launch` exports
+    if acc.mixed_precision != "no":
+        plugin.set_mixed_precision(acc.mixed_precision)  # as AcceleratorState does for FSDP
+    # AcceleratorState re-reads PartialState's shared dict on every instantiation: switch both.
+    PartialState().distributed_type = DistributedType.FSDP
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin
+
+
+ENGINE_NAMES = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "DDP": "DDP", "NO": "a single process"}
+CONFIG_NAMES = {"DEEPSPEED": "DEEPSPEED", "FSDP": "FSDP", "DDP": "MULTI_GPU/MULTI_CPU", "NO": "NO"}
+
+
+def check_engine_matches_launch(acc) -> None:
+    """A launch runs the engine its config names, or nothing: under ACCELERATE_USE_CPU=1
+    Accelerate trains DDP whatever a DeepSpeed config says, and processes that did not connect
+    would each train a model of their own."""
+    asked, runs = requested_engine(), engine_that_runs(acc)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if (asked == runs or {asked, runs} <= {"DDP", "NO"}) and world == acc.num_processes:
+        return
+    if asked == "DEEPSPEED" and _env_flag("ACCELERATE_USE_CPU"):
+        why = "ACCELERATE_USE_CPU=1 makes Accelerate skip DeepSpeed; unset it (DeepSpeed runs on CPU over gloo without it)"
+    elif world != acc.num_processes:
+        why = f"{world} processes were launched (WORLD_SIZE) but this one sees {acc.num_processes}: they did not connect"
+    else:
+        why = f"Accelerate chose distributed_type {acc.distributed_type.value} on this machine"
+    raise ValueError(
+        f"the launch configuration names {ENGINE_NAMES[asked]} (distributed_type {CONFIG_NAMES[asked]}) but "
+        f"{ENGINE_NAMES.get(runs, runs)} would run ({acc.num_processes} process(es)): {why}"
+    )
 
 
 def ddp_kwargs(cfg: RunConfig) -> list:
@@ -342,6 +438,8 @@ def build_from_config(
     check_output_dir(ck.output_dir, resume, overwrite=ck.overwrite_output_dir, latest=latest, warn=False)
     resume_meta = read_metadata(resume) if resume is not None else None
     acc = accelerator or build_accelerator(cfg)
+    if accelerator is not None:
+        check_engine_matches_launch(acc)
     logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     check_ema_supported(cfg, acc)
     from fv_accel.trainer import engine_steps_in_backward, resolve_nan_policy
