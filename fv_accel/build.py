@@ -47,8 +47,12 @@ def build_accelerator(cfg: RunConfig):
     out = Path(cfg.training.checkpoint.output_dir)
     mp = cfg.training.loop.mixed_precision
     if mp == "auto":
-        # The launch config's choice wins; otherwise bf16 on an accelerator, fp32 on CPU.
-        mp = None if os.environ.get("ACCELERATE_MIXED_PRECISION") else ("bf16" if torch.cuda.is_available() else "no")
+        # fp32 on a machine without an accelerator (a launch config's bf16 is meant for GPUs);
+        # elsewhere the launch config's choice, or else bf16 on CUDA.
+        if no_device_backend():
+            mp = "no"
+        else:
+            mp = None if os.environ.get("ACCELERATE_MIXED_PRECISION") else ("bf16" if torch.cuda.is_available() else "no")
     trackers = [t for t in cfg.training.tracker.trackers if t != "none"]
     from fv_accel.trainer import stop_signals_blocked_in_new_threads
 
