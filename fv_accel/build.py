@@ -120,7 +120,22 @@ def cpu_process_group(engine: str) -> tuple[bool, list]:
         return False, []
     from accelerate.utils import InitProcessGroupKwargs
 
+    if engine == "DEEPSPEED":
+        skip_deepspeed_shm_comm()
     return engine != "DEEPSPEED", [InitProcessGroupKwargs(backend="gloo")]
+
+
+def skip_deepspeed_shm_comm() -> None:
+    """DeepSpeed's CPU accelerator compiles a shared-memory extension (deepspeed_shm_comm: minutes
+    of C++, g++ and ninja needed) when its communication backend starts, for its inference
+    all-reduce only; training's collectives go through torch.distributed (gloo) either way.
+    Marking it incompatible in `deepspeed.ops.__compatible_ops__` (a dict DeepSpeed keeps, edits
+    included, for the process) skips that build."""
+    try:
+        import deepspeed.ops
+    except ImportError:
+        return  # Accelerate says that DeepSpeed is missing
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def fsdp2_on_cpu(acc) -> None:
@@ -162,7 +177,7 @@ def check_engine_matches_launch(acc) -> None:
         why = f"Accelerate chose distributed_type {acc.distributed_type.value} on this machine"
     raise ValueError(
         f"the launch configuration names {ENGINE_NAMES[asked]} (distributed_type {CONFIG_NAMES[asked]}) but "
-        f"{ENGINE_NAMES.get(runs, runs)} would run ({acc.num_processes} process(es)): {why}"
+        f"{ENGINE_NAMES.get(runs, runs)} ({acc.distributed_type.value}) would run with {acc.num_processes} process(es): {why}"
     )
 
 
@@ -292,6 +307,36 @@ def configure_engine(acc, cfg: RunConfig, student) -> None:
                 "(see accelerate_configs/fsdp2.yaml)"
             )
         configure_fsdp2(acc.state.fsdp_plugin, acc.mixed_precision, student)
+
+
+def describe_engine(acc, model) -> str:
+    """The engine that runs, its process group and how much of the parameters this process holds
+    (less than all under ZeRO-3 and FSDP2, which partition them)."""
+    from accelerate.utils import DistributedType
+
+    kind = acc.distributed_type
+    full = local = 0
+    for p in model.parameters():
+        if hasattr(p, "ds_numel"):  # DeepSpeed ZeRO-3: the full size, and this rank's partition
+            full, local = full + p.ds_numel, local + p.ds_tensor.numel()
+        elif hasattr(p, "to_local"):  # FSDP2's DTensor: the global size, and this rank's shard
+            full, local = full + p.numel(), local + p.to_local().numel()
+        else:
+            full, local = full + p.numel(), local + p.numel()
+    if kind == DistributedType.DEEPSPEED:
+        stage = int(acc.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
+        name = f"DeepSpeed ZeRO-{stage}"
+    elif kind == DistributedType.FSDP:
+        name = "FSDP2" if acc.is_fsdp2 else "FSDP"
+    elif kind == DistributedType.NO or acc.num_processes == 1:
+        name = "one process"
+    else:
+        name = "DDP"
+    backend = getattr(acc.state, "backend", None) or "none"
+    return (
+        f"engine {name} (distributed_type {kind.value}, backend {backend}) | {acc.num_processes} processes | "
+        f"process {acc.process_index} holds {local} of {full} parameter elements"
+    )
 
 
 def _flat_hparams(cfg: RunConfig) -> dict:
@@ -491,6 +536,8 @@ def build_from_config(
     student.transformer, method.optimizer, method.lr_scheduler = acc.prepare(
         student.transformer, method.optimizer, method.lr_scheduler
     )
+    if acc.is_main_process:
+        logger.info("%s", describe_engine(acc, student.transformer))
     # Nothing is written to the output folder before this: its lock, and under it the last checks.
     lock = claim_output_dir(acc, cfg, resume)
     try:
