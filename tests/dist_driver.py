@@ -1,16 +1,16 @@
 """Runs recipes through `build_from_config` + `Trainer` and records, per rank, what
 tests/test_distributed.py checks. Launched by the tests as
 
-    ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/<engine>.yaml \
-        --num_processes 2 tests/dist_driver.py SPEC.json
+    accelerate launch --config_file accelerate_configs/<engine>.yaml --num_processes 2 \
+        tests/dist_driver.py SPEC.json
 
 and also imported by them for the single-process runs. SPEC is a JSON list of runs, each
 `{"name", "recipe", "overrides", "engine"}`; run `name` writes `<out_root>/<name>/rank<r>.json`
 (world size, engine, per-step local loss and sample indices, logged losses) and, for unsharded
 engines, `rank<r>.safetensors` (that rank's final weights).
 
-`engine: "fsdp2"` runs a launch with accelerate_configs/fsdp2.yaml: on CPU Accelerate falls back
-to MULTI_CPU, and `build_accelerator` switches the run to FSDP with the plugin of the launch
+`engine: "fsdp2"` runs a launch with accelerate_configs/fsdp2.yaml: on CPU Accelerate builds
+MULTI_CPU (DDP over gloo), and `build_accelerator` switches the run to FSDP with the plugin of the launch
 environment (fv_accel.build.fsdp2_on_cpu, as the entry scripts do), so Accelerate's own
 `_prepare_fsdp2` (torch `fully_shard`), clipping, `save_state` (torch.distributed.checkpoint) and
 `get_state_dict` paths run over gloo; the driver asserts that it did.

@@ -131,3 +131,68 @@ def test_deepspeed_config_under_accelerate_use_cpu_is_refused(tmp_path, tiny_dat
         "over gloo without it)"
     ] * 2, log[-4000:]
     assert not out.exists()
+
+
+# ---- the launch's engine against the Accelerator's (in-process) ------------------------------------
+
+
+def _acc(kind: str, processes: int):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    return SimpleNamespace(distributed_type=DistributedType[kind], num_processes=processes)
+
+
+@pytest.mark.parametrize(
+    "env,kind,processes,message",
+    [
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "WORLD_SIZE": "2"}, "DEEPSPEED", 2, None),
+        ({"WORLD_SIZE": "2"}, "MULTI_CPU", 2, None),
+        ({"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}, "FSDP", 2, None),
+        ({"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "1"}, "FSDP", 1, None),
+        ({}, "NO", 1, None),
+        (
+            {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_USE_CPU": "1", "WORLD_SIZE": "2"}, "MULTI_CPU", 2,
+            "the launch configuration names DeepSpeed (distributed_type DEEPSPEED) but DDP (MULTI_CPU) would run with "
+            "2 process(es): ACCELERATE_USE_CPU=1 makes Accelerate skip DeepSpeed; unset it (DeepSpeed runs on CPU over "
+            "gloo without it)",
+        ),
+        (
+            {"WORLD_SIZE": "2"}, "NO", 1,
+            "the launch configuration names DDP (distributed_type MULTI_GPU/MULTI_CPU) but a single process (NO) would "
+            "run with 1 process(es): 2 processes were launched (WORLD_SIZE) but this one sees 1: they did not connect",
+        ),
+        (
+            {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}, "MULTI_GPU", 2,
+            "the launch configuration names FSDP (distributed_type FSDP) but DDP (MULTI_GPU) would run with 2 "
+            "process(es): Accelerate chose distributed_type MULTI_GPU on this machine",
+        ),
+    ],
+)
+def test_a_launch_runs_the_engine_its_config_names_or_nothing(env, kind, processes, message, monkeypatch):
+    from fv_accel.build import check_engine_matches_launch
+
+    for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_CPU", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if message is None:
+        check_engine_matches_launch(_acc(kind, processes))
+    else:
+        with pytest.raises(ValueError) as err:
+            check_engine_matches_launch(_acc(kind, processes))
+        assert str(err.value) == message
+
+
+def test_launched_processes_without_an_accelerator_connect_over_gloo(monkeypatch):
+    """DeepSpeed keeps its engine (no `cpu`), the others run as MULTI_CPU; all over gloo. Not
+    launched (no LOCAL_RANK): nothing to connect."""
+    from fv_accel.build import cpu_process_group
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert cpu_process_group("DEEPSPEED") == (False, [])
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for engine, cpu in (("DEEPSPEED", False), ("FSDP", True), ("DDP", True)):
+        got_cpu, (kwargs,) = cpu_process_group(engine)
+        assert (got_cpu, kwargs.backend) == (cpu, "gloo")
