@@ -487,8 +487,6 @@ def build_from_config(
     check_output_dir(ck.output_dir, resume, overwrite=ck.overwrite_output_dir, latest=latest, warn=False)
     resume_meta = read_metadata(resume) if resume is not None else None
     acc = accelerator or build_accelerator(cfg)
-    if accelerator is not None:
-        check_engine_matches_launch(acc)
     logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     check_ema_supported(cfg, acc)
     from fv_accel.trainer import engine_steps_in_backward, resolve_nan_policy
