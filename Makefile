@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	# DS_BUILD_OPS=0: DeepSpeed (a dev extra) installs without compiling its C++/CUDA extensions.
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -47,23 +47,138 @@ def build_accelerator(cfg: RunConfig):
     out = Path(cfg.training.checkpoint.output_dir)
     mp = cfg.training.loop.mixed_precision
     if mp == "auto":
-        # The launch config's choice wins; otherwise bf16 on an accelerator, fp32 on CPU.
-        mp = None if os.environ.get("ACCELERATE_MIXED_PRECISION") else ("bf16" if torch.cuda.is_available() else "no")
+        # fp32 on a machine without an accelerator (a launch config's bf16 is meant for GPUs);
+        # elsewhere the launch config's choice, or else bf16 on CUDA.
+        if no_device_backend():
+            mp = "no"
+        else:
+            mp = None if os.environ.get("ACCELERATE_MIXED_PRECISION") else ("bf16" if torch.cuda.is_available() else "no")
     trackers = [t for t in cfg.training.tracker.trackers if t != "none"]
     from fv_accel.trainer import stop_signals_blocked_in_new_threads
 
+    cpu, group_kwargs = cpu_process_group(requested_engine())
     with stop_signals_blocked_in_new_threads():  # the process group's threads never take SIGTERM
         acc = Accelerator(
             gradient_accumulation_steps=cfg.training.loop.gradient_accumulation_steps,
             mixed_precision=mp,
+            cpu=cpu,
             log_with=trackers or None,
             project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
             # The LR schedule counts optimizer steps, whatever the number of processes.
             step_scheduler_with_optimizer=False,
-            kwargs_handlers=ddp_kwargs(cfg),
+            kwargs_handlers=ddp_kwargs(cfg) + group_kwargs,
         )
+    fsdp2_on_cpu(acc)
+    check_engine_matches_launch(acc)
     check_gradient_accumulation(acc, cfg)
     return acc
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
+
+
+def requested_engine() -> str:
+    """The engine the launch asked for: DEEPSPEED, FSDP, DDP or NO (one process). `accelerate
+    launch` exports ACCELERATE_USE_DEEPSPEED / ACCELERATE_USE_FSDP from the config's
+    distributed_type, and its launcher (torchrun) WORLD_SIZE."""
+    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        return "DEEPSPEED"
+    if _env_flag("ACCELERATE_USE_FSDP"):
+        return "FSDP"
+    return "DDP" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "NO"
+
+
+def engine_that_runs(acc) -> str:
+    """The engine an Accelerator runs, in `requested_engine`'s words (another type by its name)."""
+    from accelerate.utils import DistributedType
+
+    ran = acc.distributed_type
+    if ran in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        return ran.value
+    if ran == DistributedType.NO or acc.num_processes == 1:
+        return "NO"
+    return "DDP" if ran.value.startswith("MULTI_") else ran.value
+
+
+def no_device_backend() -> bool:
+    """No accelerator with a distributed backend of its own (a CPU machine): Accelerate then
+    chooses no process-group backend unless told (`accelerate.state.PartialState._prepare_backend`)."""
+    from accelerate.utils.imports import get_distributed_backend, get_torch_accelerator_backend
+
+    device_type, _ = get_torch_accelerator_backend()
+    return device_type is None or get_distributed_backend(device_type) is None
+
+
+def cpu_process_group(engine: str) -> tuple[bool, list]:
+    """`(cpu, kwargs_handlers)` for the Accelerator of a launched process (LOCAL_RANK set) on a
+    machine without an accelerator: the processes connect over gloo (Accelerate sets no backend
+    there, and each process would run alone). DeepSpeed must not be given `cpu` (Accelerate then
+    runs DDP instead); it gets gloo and runs on DeepSpeed's CPU accelerator. The other engines run
+    as Accelerate's MULTI_CPU (DDP over gloo), FSDP switched over by `fsdp2_on_cpu`."""
+    if int(os.environ.get("LOCAL_RANK", "-1")) == -1 or not no_device_backend():
+        return False, []
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if engine == "DEEPSPEED":
+        skip_deepspeed_shm_comm()
+    return engine != "DEEPSPEED", [InitProcessGroupKwargs(backend="gloo")]
+
+
+def skip_deepspeed_shm_comm() -> None:
+    """DeepSpeed's CPU accelerator compiles a shared-memory extension (deepspeed_shm_comm: minutes
+    of C++, g++ and ninja needed) when its communication backend starts, for its inference
+    all-reduce only; training's collectives go through torch.distributed (gloo) either way.
+    Marking it incompatible in `deepspeed.ops.__compatible_ops__` (a dict DeepSpeed keeps, edits
+    included, for the process) skips that build."""
+    try:
+        import deepspeed.ops
+    except ImportError:
+        return  # Accelerate says that DeepSpeed is missing
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def fsdp2_on_cpu(acc) -> None:
+    """An FSDP launch on CPU: Accelerate builds MULTI_CPU (DDP) and leaves the FSDP plugin of the
+    launch environment unused. Switch the run to FSDP with that plugin, so that Accelerate's own
+    FSDP2 path (torch `fully_shard`, sharded checkpoints with torch.distributed.checkpoint) runs
+    over gloo. (FSDP1 is refused by `configure_engine`.)"""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if acc.distributed_type != DistributedType.MULTI_CPU or requested_engine() != "FSDP":
+        return
+    plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* settings `accelerate launch` exports
+    if acc.mixed_precision != "no":
+        plugin.set_mixed_precision(acc.mixed_precision)  # as AcceleratorState does for FSDP
+    # AcceleratorState re-reads PartialState's shared dict on every instantiation: switch both.
+    PartialState().distributed_type = DistributedType.FSDP
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin
+
+
+ENGINE_NAMES = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "DDP": "DDP", "NO": "a single process"}
+CONFIG_NAMES = {"DEEPSPEED": "DEEPSPEED", "FSDP": "FSDP", "DDP": "MULTI_GPU/MULTI_CPU", "NO": "NO"}
+
+
+def check_engine_matches_launch(acc) -> None:
+    """A launch runs the engine its config names, or nothing: under ACCELERATE_USE_CPU=1
+    Accelerate trains DDP whatever a DeepSpeed config says, and processes that did not connect
+    would each train a model of their own."""
+    asked, runs = requested_engine(), engine_that_runs(acc)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if (asked == runs or {asked, runs} <= {"DDP", "NO"}) and world == acc.num_processes:
+        return
+    if asked == "DEEPSPEED" and _env_flag("ACCELERATE_USE_CPU"):
+        why = "ACCELERATE_USE_CPU=1 makes Accelerate skip DeepSpeed; unset it (DeepSpeed runs on CPU over gloo without it)"
+    elif world != acc.num_processes:
+        why = f"{world} processes were launched (WORLD_SIZE) but this one sees {acc.num_processes}: they did not connect"
+    else:
+        why = f"Accelerate chose distributed_type {acc.distributed_type.value} on this machine"
+    raise ValueError(
+        f"the launch configuration names {ENGINE_NAMES[asked]} (distributed_type {CONFIG_NAMES[asked]}) but "
+        f"{ENGINE_NAMES.get(runs, runs)} ({acc.distributed_type.value}) would run with {acc.num_processes} process(es): {why}"
+    )
 
 
 def ddp_kwargs(cfg: RunConfig) -> list:
@@ -192,6 +307,36 @@ def configure_engine(acc, cfg: RunConfig, student) -> None:
                 "(see accelerate_configs/fsdp2.yaml)"
             )
         configure_fsdp2(acc.state.fsdp_plugin, acc.mixed_precision, student)
+
+
+def describe_engine(acc, model) -> str:
+    """The engine that runs, its process group and how much of the parameters this process holds
+    (less than all under ZeRO-3 and FSDP2, which partition them)."""
+    from accelerate.utils import DistributedType
+
+    kind = acc.distributed_type
+    full = local = 0
+    for p in model.parameters():
+        if hasattr(p, "ds_numel"):  # DeepSpeed ZeRO-3: the full size, and this rank's partition
+            full, local = full + p.ds_numel, local + p.ds_tensor.numel()
+        elif hasattr(p, "to_local"):  # FSDP2's DTensor: the global size, and this rank's shard
+            full, local = full + p.numel(), local + p.to_local().numel()
+        else:
+            full, local = full + p.numel(), local + p.numel()
+    if kind == DistributedType.DEEPSPEED:
+        stage = int(acc.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
+        name = f"DeepSpeed ZeRO-{stage}"
+    elif kind == DistributedType.FSDP:
+        name = "FSDP2" if acc.is_fsdp2 else "FSDP"
+    elif kind == DistributedType.NO or acc.num_processes == 1:
+        name = "one process"
+    else:
+        name = "DDP"
+    backend = getattr(acc.state, "backend", None) or "none"
+    return (
+        f"engine {name} (distributed_type {kind.value}, backend {backend}) | {acc.num_processes} processes | "
+        f"process {acc.process_index} holds {local} of {full} parameter elements"
+    )
 
 
 def _flat_hparams(cfg: RunConfig) -> dict:
@@ -389,6 +534,8 @@ def build_from_config(
     student.transformer, method.optimizer, method.lr_scheduler = acc.prepare(
         student.transformer, method.optimizer, method.lr_scheduler
     )
+    if acc.is_main_process:
+        logger.info("%s", describe_engine(acc, student.transformer))
     # Nothing is written to the output folder before this: its lock, and under it the last checks.
     lock = claim_output_dir(acc, cfg, resume)
     try:

@@ -13,7 +13,7 @@ def main(method: str, argv: Optional[list[str]] = None) -> int:
     try:
         cfg, flags = parse_cli(sys.argv[1:] if argv is None else argv, method)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        sys.stderr.write(f"error: {err}\n")  # one write: lines of several processes stay whole
         return 2
     if flags["dry_run"]:
         print(cfg.to_yaml(), end="")
@@ -27,7 +27,7 @@ def main(method: str, argv: Optional[list[str]] = None) -> int:
     except (ConfigError, CheckpointError, ValueError, OSError) as err:
         # Building reads the recipe's inputs (data, model, checkpoint): its errors are input
         # errors, each one line naming the file/key (build_from_config from Python keeps the traceback).
-        print(f"error: {err}", file=sys.stderr)
+        sys.stderr.write(f"error: {err}\n")  # one write: lines of several processes stay whole
         if needs_exit_without_teardown():  # refused after the process group was set up
             exit_without_teardown(2)
         return 2
@@ -39,7 +39,7 @@ def main(method: str, argv: Optional[list[str]] = None) -> int:
         code = 0
     except (TrainingStopped, CheckpointError) as err:
         # A fault policy stop, or a checkpoint that could not be written (a full disk): one line.
-        print(f"error: {err}", file=sys.stderr)
+        sys.stderr.write(f"error: {err}\n")  # one write: lines of several processes stay whole
         code = 1
     except Exception:
         if not hard_exit:

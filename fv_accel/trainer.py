@@ -470,6 +470,11 @@ class Trainer:
                                 loss_sums["total_loss"], grad_norm, micro_records, self.step + 1, scaler_skipped=engine_skipped
                             )
                             applied = fault is not None
+                            # The schedule follows the step count. Accelerate hands DeepSpeed only
+                            # a schedule of its own kinds (WarmupLR...); ours (LambdaLR) stays an
+                            # AcceleratedScheduler that steps here. An engine-owned one's wrapper
+                            # (DeepSpeedSchedulerWrapper) does nothing here: the engine stepped it.
+                            method.lr_scheduler.step()
                         else:
                             # No backward ran the engine's step, nor its LR schedule step: the
                             # schedule follows the step count, as a skipped step does elsewhere.

@@ -1,19 +1,19 @@
 """Runs recipes through `build_from_config` + `Trainer` and records, per rank, what
 tests/test_distributed.py checks. Launched by the tests as
 
-    ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/<engine>.yaml \
-        --num_processes 2 tests/dist_driver.py SPEC.json
+    accelerate launch --config_file accelerate_configs/<engine>.yaml --num_processes 2 \
+        tests/dist_driver.py SPEC.json
 
 and also imported by them for the single-process runs. SPEC is a JSON list of runs, each
 `{"name", "recipe", "overrides", "engine"}`; run `name` writes `<out_root>/<name>/rank<r>.json`
 (world size, engine, per-step local loss and sample indices, logged losses) and, for unsharded
 engines, `rank<r>.safetensors` (that rank's final weights).
 
-`engine: "fsdp2"` is the CPU stand-in for a GPU FSDP2 launch: `accelerate launch` with
-accelerate_configs/fsdp2.yaml exports the FSDP settings to the environment, but on CPU Accelerate
-falls back to MULTI_CPU; the run is switched to FSDP with a plugin read from that environment
-before `build_from_config`, so Accelerate's own `_prepare_fsdp2` (torch `fully_shard`), clipping,
-`save_state` (torch.distributed.checkpoint) and `get_state_dict` paths run over gloo.
+`engine: "fsdp2"` runs a launch with accelerate_configs/fsdp2.yaml: on CPU Accelerate builds
+MULTI_CPU (DDP over gloo), and `build_accelerator` switches the run to FSDP with the plugin of the launch
+environment (fv_accel.build.fsdp2_on_cpu, as the entry scripts do), so Accelerate's own
+`_prepare_fsdp2` (torch `fully_shard`), clipping, `save_state` (torch.distributed.checkpoint) and
+`get_state_dict` paths run over gloo; the driver asserts that it did.
 """
 
 from __future__ import annotations
@@ -28,20 +28,6 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-
-
-def switch_to_fsdp2(acc) -> None:
-    """Make a MULTI_CPU Accelerator use FSDP2 with the launch config's FSDP settings."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
-        raise RuntimeError("engine fsdp2 needs a launch with an FSDP accelerate config (ACCELERATE_USE_FSDP)")
-    plugin = FullyShardedDataParallelPlugin()  # reads FSDP_* as exported by `accelerate launch`
-    # AcceleratorState re-reads PartialState's shared dict on every instantiation: switch both.
-    PartialState().distributed_type = DistributedType.FSDP
-    acc.state.distributed_type = DistributedType.FSDP
-    acc.state.fsdp_plugin = plugin
 
 
 def keep_process_group(acc) -> None:
@@ -78,7 +64,8 @@ def run_one(spec: dict, out_root: Path) -> dict:
     cfg = load_config(str(REPO / spec["recipe"]), spec.get("overrides") or {})
     acc = build_accelerator(cfg)
     if spec.get("engine") == "fsdp2":
-        switch_to_fsdp2(acc)
+        # build_accelerator switches an FSDP launch on CPU to FSDP2 (fv_accel.build.fsdp2_on_cpu).
+        assert str(acc.distributed_type) == "DistributedType.FSDP", acc.distributed_type
     keep_process_group(acc)
     run = build_from_config(cfg, accelerator=acc)
     method = run.method

@@ -2,10 +2,11 @@
 
 The multi-process tests launch real `accelerate launch` runs on two CPU processes (gloo) through
 tests/dist_driver.py, which records per rank the world size, the local losses, the samples seen
-and the final weights. DDP runs with accelerate_configs/cpu_2proc.yaml; FSDP2 with
-accelerate_configs/fsdp2.yaml through Accelerate's own FSDP2 path (torch `fully_shard`), which the
-driver enables on CPU (see its docstring). DeepSpeed needs GPUs: its config handling is tested
-here in-process; the engine itself only by benchmarks/gpu_check.sh.
+and the final weights. They launch as a user would on a machine without a GPU (no
+ACCELERATE_USE_CPU): DDP with accelerate_configs/cpu_2proc.yaml; FSDP2 with
+accelerate_configs/fsdp2.yaml through Accelerate's own FSDP2 path (torch `fully_shard`), which
+fv_accel.build enables on CPU (fsdp2_on_cpu). DeepSpeed's config handling is tested here
+in-process; its engine on two CPU processes in tests/test_deepspeed.py.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def launch(config: str, runs: list[dict], root: Path, *extra_args: str, processe
     """One `accelerate launch` of the driver on CPU; returns each run's per-rank records."""
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps({"out_root": str(root / "records"), "runs": runs}))
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("ACCELERATE_USE_CPU", None)
     cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / config), "--num_processes", str(processes),
            "--main_process_port", str(free_port()), *extra_args]
     proc = subprocess.run(
