@@ -206,8 +206,6 @@ def test_files_with_different_columns_are_named(tmp_path):
 
 def test_large_dataset_checks_byte_lengths_when_a_row_is_read(tmp_path, monkeypatch):
     import fv_accel.data.checks as checks
-    from fv_accel.data.parquet_rows import ParquetRows
-
     rows = _rows([((2, 4, 4), 4)], seed=6)
     rows[2]["vae_latent_bytes"] = rows[2]["vae_latent_bytes"][:-8]
     data = tmp_path / "d"
@@ -215,12 +213,16 @@ def test_large_dataset_checks_byte_lengths_when_a_row_is_read(tmp_path, monkeypa
     with pytest.raises(ValueError, match=r"row 2 \(id 's2'\): vae_latent_bytes: 1016 bytes stored for shape"):
         LatentDataset(str(data))  # small: checked at open
     monkeypatch.setattr(checks, "BYTE_CHECK_LIMIT", 0)
+    read_at_open = []
+    real_read = pq.ParquetFile.read
 
-    def no_scan(self, name):
-        raise AssertionError("an open above BYTE_CHECK_LIMIT read a bytes column")
+    def spy(self, columns=None, **kw):
+        read_at_open.append(columns)
+        return real_read(self, columns=columns, **kw)
 
-    monkeypatch.setattr(ParquetRows, "binary_lengths", no_scan)
+    monkeypatch.setattr(pq.ParquetFile, "read", spy)
     ds = LatentDataset(str(data))
+    assert ds.rows.lengths is None and read_at_open and not any(c.endswith("_bytes") for cols in read_at_open for c in cols)
     assert ds[(1, 0, 0)]["vae_latent"].shape == (16, 2, 4, 4)
     with pytest.raises(ValueError) as err:
         ds[(2, 0, 0)]

@@ -65,14 +65,15 @@ def _row_problem(latent: tuple, text: tuple) -> Optional[str]:
 
 
 # Up to this many bytes of latents and text embeddings (uncompressed, from the footers), an open
-# reads every row's byte lengths to check them; above it each row's are checked when it is read.
-BYTE_CHECK_LIMIT = 256 * 2**20
+# reads every row's byte lengths to check them (LatentDataset passes it to ParquetRows); above it
+# each row's are checked when it is read.
+BYTE_CHECK_LIMIT = 64 * 2**20
+LENGTH_COLUMNS = ("vae_latent_bytes", "text_embedding_bytes")
 
 
 def byte_lengths_checked_at_open(dataset: Any) -> bool:
-    """Whether opening `dataset` (a LatentDataset) checks every row's byte lengths (small datasets)."""
-    sizes = dataset.rows.column_bytes
-    return sizes.get("vae_latent_bytes", 0) + sizes.get("text_embedding_bytes", 0) <= BYTE_CHECK_LIMIT
+    """Whether opening `dataset` (a LatentDataset) checked every row's byte lengths (small datasets)."""
+    return dataset.rows.lengths is not None
 
 
 def _dtype_problem(dtype: Any, column: str) -> Optional[str]:
@@ -87,16 +88,24 @@ def check_stored_rows(dataset: Any) -> None:
 
     `dataset`: a `LatentDataset` (its `rows`, `describe`)."""
     rows = dataset.rows
-    check_bytes = byte_lengths_checked_at_open(dataset)
 
     def columns(prefix: str) -> list[tuple]:
         shapes = rows.columns[f"{prefix}_shape"]
         dtypes = rows.columns[f"{prefix}_dtype"]
-        nbytes = rows.binary_lengths(f"{prefix}_bytes") if check_bytes else [UNCHECKED] * len(shapes)
+        nbytes = rows.lengths[f"{prefix}_bytes"] if rows.lengths is not None else [UNCHECKED] * len(shapes)
         return list(zip(shapes, dtypes, nbytes))
 
+    # Rows of a dataset share few (shape, dtype, length) combinations: each is judged once.
+    judged: dict[tuple, Optional[str]] = {}
+
+    def problem(lat: tuple, txt: tuple) -> Optional[str]:
+        key = tuple(tuple(v) if isinstance(v, list) else v for v in (*lat, *txt))
+        if key not in judged:
+            judged[key] = _row_problem(lat, txt)
+        return judged[key]
+
     latents, texts = columns("vae_latent"), columns("text_embedding")
-    _first_problem(((i, _row_problem(lat, txt)) for i, (lat, txt) in enumerate(zip(latents, texts))), dataset.describe)
+    _first_problem(((i, problem(lat, txt)) for i, (lat, txt) in enumerate(zip(latents, texts))), dataset.describe)
 
 
 def check_fits_model(

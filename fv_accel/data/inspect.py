@@ -42,6 +42,7 @@ def _size(n: int) -> str:
 def report(path: str, *, batch_size: int = 1, num_processes: int = 1, grad_accum: int = 1) -> list[str]:
     from pathlib import Path
 
+    import fv_accel.data.parquet_rows  # noqa: F401  (imported here so that the open time is the open's)
     from fv_accel.data.checks import BYTE_CHECK_LIMIT, byte_lengths_checked_at_open
     from fv_accel.data.loader import LatentDataset
     from fv_accel.data.schema import read_dataset_info

@@ -46,12 +46,14 @@ class LatentDataset(Dataset):
     asked for (fv_accel/data/parquet_rows.py)."""
 
     def __init__(self, data_path: str, *, text_max_length: int = TEXT_MAX_LENGTH, cfg_rate: float = 0.0, seed: int = 0):
-        from fv_accel.data.checks import check_stored_rows
+        from fv_accel.data import checks
         from fv_accel.data.parquet_rows import ParquetRows
 
         self.data_path = str(data_path)
         self.files = parquet_files(data_path)
-        self.rows = ParquetRows(self.files, SMALL_COLUMNS)
+        self.rows = ParquetRows(
+            self.files, SMALL_COLUMNS, length_columns=checks.LENGTH_COLUMNS, length_limit=checks.BYTE_CHECK_LIMIT
+        )
         # Row i of the dataset is row i - file_starts[k] of file k.
         self.file_starts = self.rows.file_starts
         if len(self.rows) == 0:
@@ -70,7 +72,7 @@ class LatentDataset(Dataset):
                 "the same preprocess command to rebuild it"
             )
         self.ids = self.rows.columns.get("id")
-        check_stored_rows(self)
+        checks.check_stored_rows(self)
         self.latent_shapes = [tuple(int(v) for v in s) for s in self.rows.columns["vae_latent_shape"]]
         self.text_shapes = [tuple(int(v) for v in s) for s in self.rows.columns["text_embedding_shape"]]
         # Image-to-video columns this dataset has (read into the batch where a row holds them).

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 # Row groups kept decoded per process (a row group of 1.3B-shaped rows is about 100 MB as
@@ -31,9 +32,23 @@ def _is_binary(t: pa.DataType) -> bool:
 
 
 class ParquetRows:
-    """The rows of `files`; `small_columns` (those present) are read whole at open into `columns`."""
+    """The rows of `files`; `small_columns` (those present) are read whole at open into `columns`.
 
-    def __init__(self, files: Sequence[str], small_columns: Sequence[str] = (), *, cached_row_groups: int = CACHED_ROW_GROUPS):
+    `length_columns`: binary columns whose value lengths are read at open into `lengths` (name ->
+    one length per row, None where null) as long as those columns hold at most `length_limit`
+    bytes in all (uncompressed, from the footers); above it they are not read and `lengths` is None:
+    Parquet keeps no value lengths outside the data pages."""
+
+    def __init__(
+        self,
+        files: Sequence[str],
+        small_columns: Sequence[str] = (),
+        *,
+        length_columns: Sequence[str] = (),
+        length_limit: int = 0,
+        cached_row_groups: int = CACHED_ROW_GROUPS,
+    ):
+
         self.files = [str(f) for f in files]
         self.cached_row_groups = max(1, int(cached_row_groups))
         self.file_starts = [0]
@@ -45,6 +60,8 @@ class ParquetRows:
         first_names: Optional[list[str]] = None
         wanted: list[str] = []
         per_file: list[dict[str, list]] = []
+        measured: list[str] = []
+        length_bytes = 0
         for path in self.files:
             try:
                 pf = pq.ParquetFile(path, memory_map=True)
@@ -58,6 +75,7 @@ class ParquetRows:
                 self.column_names = names
                 self.column_types = {n: schema.field(n).type for n in names}
                 wanted = [c for c in small_columns if c in names]
+                measured = [c for c in length_columns if c in names]
             elif set(names) != set(first_names):
                 extra = sorted(set(names) - set(first_names))
                 lacks = sorted(set(first_names) - set(names))
@@ -80,28 +98,28 @@ class ParquetRows:
                 raise unreadable(path, ValueError(f"row groups hold {starts[-1]} rows, the footer says {meta.num_rows}"))
             self.row_group_starts.append(starts)
             self.file_starts.append(self.file_starts[-1] + int(meta.num_rows))
-            if wanted:
+            # Value lengths only while the columns measured so far stay within the limit (a dataset
+            # over it reads at most `length_limit` bytes for nothing).
+            length_bytes = sum(self.column_bytes.get(c, 0) for c in measured)
+            if measured and length_bytes > length_limit:
+                measured = []
+                for part in per_file:
+                    for c in length_columns:
+                        part.pop(c, None)
+            if wanted or measured:
                 try:
-                    table = pf.read(columns=wanted)
+                    table = pf.read(columns=wanted + measured)
                 except Exception as err:  # noqa: BLE001
                     raise unreadable(path, err) from None
-                per_file.append({n: table.column(n).to_pylist() for n in wanted})
+                part = {n: table.column(n).to_pylist() for n in wanted}
+                part.update({n: pc.binary_length(table.column(n)).to_pylist() for n in measured})
+                per_file.append(part)
         # The small columns, whole: name -> one value per row.
         self.columns: dict[str, list] = {n: [v for part in per_file for v in part[n]] for n in wanted}
+        self.lengths: Optional[dict[str, list]] = (
+            {n: [v for part in per_file for v in part[n]] for n in measured} if length_columns and measured else None
+        )
         self._reset()
-
-    def binary_lengths(self, name: str) -> list[Optional[int]]:
-        """Byte length of every value of binary column `name` (None where null). Reads the column."""
-        import pyarrow.compute as pc
-
-        out: list[Optional[int]] = []
-        for path in self.files:
-            try:
-                column = pq.ParquetFile(path, memory_map=True).read(columns=[name]).column(name)
-            except Exception as err:  # noqa: BLE001
-                raise unreadable(path, err) from None
-            out += pc.binary_length(column).to_pylist()
-        return out
 
     def __len__(self) -> int:
         return self.file_starts[-1]
