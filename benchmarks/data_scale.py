@@ -1,11 +1,12 @@
 """Opening and reading latent datasets of growing size in place (fv_accel.data.loader.LatentDataset).
 
-    python benchmarks/data_scale.py                  # all sizes (writes about 2.8 GB under --work-dir)
+    python benchmarks/data_scale.py                  # all sizes (writes about 5.4 GB under --work-dir)
     python benchmarks/data_scale.py --sizes rows_100k wan_1_3b_300
     python benchmarks/data_scale.py --quick          # two tiny sizes (smoke test)
 
-Writes synthetic FastVideo-schema datasets (pyarrow, snappy, row groups of at most 100 MB as
-`datasets` writes them; `data-SSSSS-of-NNNNN.parquet` shards and fv_dataset.json) under --work-dir,
+Writes synthetic FastVideo-schema datasets (pyarrow, snappy; row groups of at most 16 MB as
+fv_accel.preprocess writes them, or 100 MB as `datasets` does; `data-SSSSS-of-NNNNN.parquet`
+shards and fv_dataset.json) under --work-dir,
 by default in the temporary folder, never in the repository; a dataset already there is reused.
 Per size, each in a fresh process:
 
@@ -32,15 +33,19 @@ from typing import Optional
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
-ROW_GROUP_BYTES = 100 * 10**6  # `datasets`' MAX_ROW_GROUP_SIZE
+DATASETS_ROW_GROUP_BYTES = 100 * 10**6  # `datasets`' MAX_ROW_GROUP_SIZE (Hub and FastVideo-written data)
 WAN_LATENT, WAN_TEXT = (16, 21, 60, 104), (512, 4096)  # 81 frames of 480x832; umT5's padded text
 
-# name -> rows, shards, latent [C, T, H, W] and text [L, D] shapes (bf16), items timed per loader.
+# name -> rows, shards, latent [C, T, H, W] and text [L, D] shapes (bf16), items timed per loader,
+# and row groups of at most `row_group_bytes` (None: as fv_accel.preprocess writes them,
+# fv_accel.data.schema.ROW_GROUP_BYTES).
 SIZES = {
     "rows_1k": dict(rows=1_000, shards=10, latent=(16, 2, 4, 4), text=(8, 32), items=400),
     "rows_100k": dict(rows=100_000, shards=1_000, latent=(16, 2, 4, 4), text=(8, 32), items=400),
-    "wan_1_3b_30": dict(rows=30, shards=1, latent=WAN_LATENT, text=WAN_TEXT, items=24),
-    "wan_1_3b_300": dict(rows=300, shards=6, latent=WAN_LATENT, text=WAN_TEXT, items=24),
+    "wan_1_3b_30": dict(rows=30, shards=1, latent=WAN_LATENT, text=WAN_TEXT, items=48),
+    "wan_1_3b_300": dict(rows=300, shards=6, latent=WAN_LATENT, text=WAN_TEXT, items=48),
+    "wan_1_3b_300_rg100mb": dict(rows=300, shards=6, latent=WAN_LATENT, text=WAN_TEXT, items=24,
+                                 row_group_bytes=DATASETS_ROW_GROUP_BYTES),
 }
 QUICK_SIZES = {"quick": dict(rows=60, shards=3, latent=(16, 2, 4, 4), text=(8, 32), items=20)}
 
@@ -61,17 +66,20 @@ def write_dataset(folder: Path, spec: dict) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from fv_accel.data.schema import ROW_GROUP_BYTES
+
+    latent_n, text_n = math.prod(spec["latent"]), math.prod(spec["text"])
+    row_bytes = 2 * (latent_n + text_n)
+    group = max(1, min(1000, (spec.get("row_group_bytes") or ROW_GROUP_BYTES) // row_bytes))
     marker = folder / "bench_spec.json"
-    want = json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in spec.items() if k != "items"}, sort_keys=True)
+    recorded = {k: list(v) if isinstance(v, tuple) else v for k, v in spec.items() if k not in ("items", "row_group_bytes")}
+    want = json.dumps({**recorded, "row_group_rows": group}, sort_keys=True)
     if marker.is_file() and marker.read_text() == want:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.parquet"):
         old.unlink()
     rows, shards = spec["rows"], spec["shards"]
-    latent_n, text_n = math.prod(spec["latent"]), math.prod(spec["text"])
-    row_bytes = 2 * (latent_n + text_n)
-    group = max(1, min(1000, ROW_GROUP_BYTES // row_bytes))
     rng = np.random.default_rng(0)
     per = -(-rows // shards)
     for s in range(shards):
@@ -190,6 +198,7 @@ def measure(name: str, spec: dict, work_dir: Path) -> dict:
         "rows": spec["rows"],
         "shards": len(files),
         "row_groups": sum(pq.ParquetFile(f).metadata.num_row_groups for f in files),
+        "row_group_bytes_max": spec.get("row_group_bytes"),
         "latent_shape": list(spec["latent"]),
         "text_shape": list(spec["text"]),
         "dataset_bytes": sum(f.stat().st_size for f in files),
