@@ -256,6 +256,11 @@ def test_workers_give_the_same_batches_and_resume_exactly(tmp_path):
     resumed.load_state_dict(state)
     for x, y in zip(islice(iter(resumed), 9), reference[5:], strict=True):
         _same_batch(x, y)
+    # The recipe key reaches the loader.
+    from fv_accel.config import default_recipe, load_config
+
+    cfg = load_config(default_recipe("finetune"), {"training.data.data_path": data, "training.data.dataloader_num_workers": 2})
+    assert build_train_loader(cfg, world_size=1, rank=0).num_workers == 2
 
 
 def _isolated_env(env_root: Path) -> dict:

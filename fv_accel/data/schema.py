@@ -1,4 +1,5 @@
-"""FastVideo's precomputed-latent Parquet schema (REFERENCE.md section 7), read and written with `datasets`.
+"""FastVideo's precomputed-latent Parquet schema (REFERENCE.md section 7), written with `datasets`
+(read in place with pyarrow: fv_accel/data/parquet_rows.py).
 
 A row holds the VAE latent [C, T, H, W] and the text embedding [L, D] as raw bytes with their shape
 and dtype, plus the clip's metadata. Datasets preprocessed by FastVideo load unchanged.
