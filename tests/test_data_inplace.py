@@ -278,7 +278,7 @@ def _run_inspect(args: list[str], env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fv_accel.data.inspect", *args], env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_inspect_prints_the_dataset_and_writes_nothing(tmp_path):
+def test_inspect_prints_the_dataset_and_writes_nothing(tmp_path, capsys):
     data = Path(_nested_dataset(tmp_path / "d", seed=8, shapes_counts=[((2, 4, 4), 9), ((3, 4, 6), 3)], shards=2))
     env_root = tmp_path / "env"
     env = _isolated_env(env_root)
@@ -299,18 +299,22 @@ def test_inspect_prints_the_dataset_and_writes_nothing(tmp_path):
     assert "rows left out each epoch (bucket remainders): 1" in lines
     assert any(line.startswith("open time: ") and "imports included" in line for line in lines)
     assert "bytes: " in text and "byte lengths: checked at open" in text
-    # A FastVideo dataset without fv_dataset.json: the statistics are reported missing.
+    # In process from here. A FastVideo dataset without fv_dataset.json: the statistics are reported missing.
+    from fv_accel.data.inspect import main as inspect_main
+
     (data / "fv_dataset.json").unlink()
-    done = _run_inspect([str(data)], env)
-    assert done.returncode == 0, done.stderr
+    capsys.readouterr()
+    assert inspect_main([str(data)]) == 0
     assert "latent statistics: missing (no fv_dataset.json; set models.student.latents_mean / latents_std, or " \
-        "models.student.init_from a model whose VAE has them)" in done.stdout.splitlines()
+        "models.student.init_from a model whose VAE has them)" in capsys.readouterr().out.splitlines()
     # An incomplete shard set is refused in one line.
     bad = tmp_path / "bad"
     _write(bad / "data-00000-of-00002.parquet", _rows([((2, 4, 4), 2)], seed=0))
-    done = _run_inspect([str(bad)], env)
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+    assert inspect_main([str(bad)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         f"error: {bad}: the dataset is incomplete: shard(s) 00001 of data-*-of-00002 are missing (1 of 2 present) and "
         "fv_dataset.json, which preprocessing writes last, is missing; finish it by rerunning the same `python -m "
         f"fv_accel.preprocess ... --output {bad}` command (it resumes where it stopped)"
     ]
+    assert inspect_main([str(data), "--batch_size", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --batch_size: expected an integer >= 1, got 0"
