@@ -48,7 +48,6 @@ class ParquetRows:
         length_limit: int = 0,
         cached_row_groups: int = CACHED_ROW_GROUPS,
     ):
-
         self.files = [str(f) for f in files]
         self.cached_row_groups = max(1, int(cached_row_groups))
         self.file_starts = [0]
@@ -61,7 +60,6 @@ class ParquetRows:
         wanted: list[str] = []
         per_file: list[dict[str, list]] = []
         measured: list[str] = []
-        length_bytes = 0
         for path in self.files:
             try:
                 pf = pq.ParquetFile(path, memory_map=True)
@@ -100,8 +98,7 @@ class ParquetRows:
             self.file_starts.append(self.file_starts[-1] + int(meta.num_rows))
             # Value lengths only while the columns measured so far stay within the limit (a dataset
             # over it reads at most `length_limit` bytes for nothing).
-            length_bytes = sum(self.column_bytes.get(c, 0) for c in measured)
-            if measured and length_bytes > length_limit:
+            if measured and sum(self.column_bytes.get(c, 0) for c in measured) > length_limit:
                 measured = []
                 for part in per_file:
                     for c in length_columns:
