@@ -226,10 +226,16 @@ def test_large_dataset_checks_byte_lengths_when_a_row_is_read(tmp_path, monkeypa
     assert ds[(1, 0, 0)]["vae_latent"].shape == (16, 2, 4, 4)
     with pytest.raises(ValueError) as err:
         ds[(2, 0, 0)]
-    assert str(err.value) == (
+    message = (
         f"{data}/data.parquet row 2 (id 's2'): vae_latent_bytes: 1016 bytes stored for shape [16, 2, 4, 4] of "
         "bfloat16 (1024 bytes expected)"
     )
+    assert str(err.value) == message
+    # The same line when a DataLoader worker reads the row (not torch's wrapped worker traceback).
+    sampler = BucketBatchSampler([ds.bucket_key(i) for i in range(4)], batch_size=4, shuffle=False)
+    with pytest.raises(ValueError) as err:
+        next(iter(TrainLoader(ds, sampler, num_workers=1)))
+    assert str(err.value) == message
 
 
 def _loader(data: str, workers: int) -> TrainLoader:

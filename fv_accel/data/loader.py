@@ -387,6 +387,19 @@ class BucketBatchSampler:
             epoch, start = epoch + 1, 0
 
 
+WORKER_ERROR = "Caught ValueError in DataLoader worker"
+
+
+def _worker_error(err: ValueError) -> ValueError:
+    """The message a DataLoader worker's ValueError had (the last `ValueError: ...` of the traceback
+    torch puts in the message), or `err` itself when it did not come from a worker."""
+    text = str(err)
+    mark = "\nValueError: "
+    if not text.startswith(WORKER_ERROR) or mark not in text:
+        return err
+    return ValueError(text[text.rindex(mark) + len(mark) :].strip())
+
+
 class TrainLoader:
     """A DataLoader over the bucket sampler that knows its position for checkpoints."""
 
@@ -408,8 +421,16 @@ class TrainLoader:
             num_workers=self.num_workers,
             persistent_workers=False,
         )
-        for batch in loader:
-            yield batch
+        try:
+            for batch in loader:
+                yield batch
+        except ValueError as err:
+            # A row a worker could not read: torch wraps the message in the worker's traceback;
+            # raise the row's own one-line message, as without workers.
+            own = _worker_error(err)
+            if own is err:
+                raise
+            raise own from None
 
     def mark_step_done(self, batch: dict) -> None:
         """Record that the optimizer step that used `batch` is finished (for the checkpoint)."""
