@@ -324,3 +324,41 @@ def test_inspect_prints_the_dataset_and_writes_nothing(tmp_path, capsys):
     ]
     assert inspect_main([str(data), "--batch_size", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --batch_size: expected an integer >= 1, got 0"
+
+
+def test_a_dataset_in_the_local_hugging_face_cache(tmp_path, monkeypatch):
+    """`hf://<owner>/<name>` and a repository's cache folder: its snapshot, read where it lies
+    (files are links to blobs, as the hub client stores them), offline."""
+    from huggingface_hub import constants
+
+    from fv_accel.data.schema import read_dataset_info
+
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    repo = hub / "datasets--me--clips"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    _write(repo / "blobs" / "aaaa", _rows([((2, 4, 4), 4)], seed=9))
+    (snapshot / "data").mkdir(parents=True)
+    (snapshot / "data" / "train-00000-of-00001.parquet").symlink_to(repo / "blobs" / "aaaa")
+    write_dataset_info(snapshot, model=None, latent_stats=([0.0] * 16, [1.0] * 16), num_rows=4)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for path in ("hf://me/clips", str(repo)):
+        ds = LatentDataset(path)
+        assert ds.data_path == str(snapshot) and len(ds) == 4
+        assert ds.describe(1) == f"{snapshot}/data/train-00000-of-00001.parquet row 1 (id 's1')"
+        assert ds[(3, 0, 0)]["caption"] == "caption 3"
+    assert read_dataset_info("hf://me/clips")["num_rows"] == 4
+    from fv_accel.build import resolve_data_path
+    from fv_accel.config import default_recipe, load_config
+
+    cfg = load_config(default_recipe("finetune"), {"training.data.data_path": "hf://me/clips"})
+    assert resolve_data_path(cfg, accelerator=None) == str(snapshot)
+    assert len(LatentDataset("hf://me/clips/data")) == 4
+    with pytest.raises(FileNotFoundError) as err:
+        LatentDataset("hf://me/other")
+    assert str(err.value) == (
+        f"training.data.data_path: 'hf://me/other': the dataset repository me/other is not in the local Hugging Face "
+        f"cache ({hub}); download it first: hf download --repo-type dataset me/other"
+    )

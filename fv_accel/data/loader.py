@@ -25,6 +25,7 @@ from fv_accel.data.schema import (
     DATASET_INFO,
     REQUIRED_COLUMNS,
     bytes_to_tensor,
+    local_dataset_path,
     parquet_files,
     read_dataset_info,
     read_tensor_column,
@@ -49,8 +50,9 @@ class LatentDataset(Dataset):
         from fv_accel.data import checks
         from fv_accel.data.parquet_rows import ParquetRows
 
-        self.data_path = str(data_path)
-        self.files = parquet_files(data_path)
+        # hf://<repo> and a repository's cache folder become the local snapshot folder.
+        self.data_path = local_dataset_path(data_path)
+        self.files = parquet_files(self.data_path)
         self.rows = ParquetRows(
             self.files, SMALL_COLUMNS, length_columns=checks.LENGTH_COLUMNS, length_limit=checks.BYTE_CHECK_LIMIT
         )
@@ -484,7 +486,7 @@ VAE_TEMPORAL, VAE_SPATIAL = 4, 8
 def vae_factors(data_path: Any) -> tuple[int, int]:
     """(temporal, spatial) compression of the VAE that encoded a dataset, as preprocessing recorded it
     in fv_dataset.json (Wan 2.1's 4 and 8 where it did not)."""
-    info = read_dataset_info(data_path) if data_path and Path(str(data_path)).exists() else {}
+    info = read_dataset_info(data_path) if data_path and Path(local_dataset_path(data_path)).exists() else {}
     return int(info.get("scale_factor_temporal") or VAE_TEMPORAL), int(info.get("scale_factor_spatial") or VAE_SPATIAL)
 
 

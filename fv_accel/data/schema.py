@@ -196,7 +196,7 @@ def write_dataset_info(folder: str | Path, *, model: str, latent_stats: Optional
 def read_dataset_info(data_path: str | Path) -> dict:
     import json
 
-    p = Path(data_path)
+    p = Path(local_dataset_path(data_path))
     path = (p if p.is_dir() else p.parent) / DATASET_INFO
     if not path.is_file():
         return {}
@@ -220,8 +220,41 @@ class IncompleteDatasetError(ValueError):
     """A dataset folder that preprocessing has not finished (or of which shards are missing)."""
 
 
+HF_PREFIX = "hf://"
+
+
+def local_dataset_path(data_path: str | Path) -> str:
+    """A dataset path as a local folder: `hf://<owner>/<name>[/<subfolder>]` is that dataset
+    repository's snapshot in the local Hugging Face cache (never downloaded: offline), and a repository's
+    cache folder (`.../datasets--<owner>--<name>`) is its snapshot of `refs/main`. Other paths are
+    returned as they are."""
+    text = str(data_path)
+    if text.startswith(HF_PREFIX):
+        parts = [p for p in text[len(HF_PREFIX) :].split("/") if p]
+        if len(parts) < 2:
+            raise FileNotFoundError(f"training.data.data_path: '{text}': expected hf://<owner>/<name>[/<subfolder>]")
+        repo_id, sub = "/".join(parts[:2]), parts[2:]
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
+        except Exception:  # noqa: BLE001 - LocalEntryNotFoundError and kin: not in the cache
+            from huggingface_hub import constants
+
+            raise FileNotFoundError(
+                f"training.data.data_path: '{text}': the dataset repository {repo_id} is not in the local Hugging Face "
+                f"cache ({constants.HF_HUB_CACHE}); download it first: hf download --repo-type dataset {repo_id}"
+            ) from None
+        return str(folder.joinpath(*sub))
+    p = Path(text)
+    ref = p / "refs" / "main"
+    if p.name.startswith("datasets--") and (p / "snapshots").is_dir() and ref.is_file():
+        return str(p / "snapshots" / ref.read_text(encoding="utf-8").strip())
+    return text
+
+
 def parquet_files(data_path: str | Path) -> list[str]:
-    p = Path(data_path)
+    p = Path(local_dataset_path(data_path))
     if p.is_file():
         return [str(p)]
     if p.is_dir():
