@@ -178,13 +178,7 @@ def prepare_dataset(work_dir: Path, size: BenchSize, rows: int) -> tuple[str, st
     folder.mkdir(parents=True, exist_ok=True)
     write_dataset_info(folder, model=None, latent_stats=([0.0] * channels, [1.0] * channels))
     if datasets_available():
-        path = write_latent_dataset(folder, size, rows)
-        # Open it once here: `datasets` converts Parquet to its Arrow cache on first use, and that
-        # must not land inside a measured process (memory.py's workers).
-        from fv_accel.data.loader import LatentDataset
-
-        LatentDataset(path)
-        return path, "parquet (fv_accel.data.loader)"
+        return write_latent_dataset(folder, size, rows), "parquet (fv_accel.data.loader)"
     folder.mkdir(parents=True, exist_ok=True)
     spec = {"latent_shape": list(size.latent_shape), "text_shape": list(size.text_shape), "rows": rows, "seed": 0}
     (folder / "bench_dataset.json").write_text(json.dumps(spec) + "\n")

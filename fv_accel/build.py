@@ -358,7 +358,9 @@ def _flat_hparams(cfg: RunConfig) -> dict:
 def resolve_data_path(cfg: RunConfig, accelerator) -> str:
     path = cfg.training.data.data_path
     if path != "tiny":
-        return path
+        from fv_accel.data.schema import local_dataset_path
+
+        return local_dataset_path(path)  # hf://<repo>: its snapshot in the local Hugging Face cache
     from fv_accel.tiny.data import ensure_tiny_dataset
 
     with accelerator.main_process_first():

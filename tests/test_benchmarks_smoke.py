@@ -90,3 +90,19 @@ def test_data_throughput_quick(tmp_path):
     # Structure only: timings (and ratios of timings) are never compared in a test.
     assert 0 <= data["trainer_data_wait_share_of_step"]["median"] < 1
     assert "loader / model" in md
+
+
+def test_data_scale_quick(tmp_path):
+    out = tmp_path / "results"
+    _load("data_scale").main(["--quick", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    data, md = _read(out, "data_scale")
+    (res,) = data["results"]
+    assert (res["size"], res["rows"], res["shards"], res["row_groups"]) == ("quick", 60, 3, 3)
+    assert res["latent_shape"] == [16, 2, 4, 4] and res["dataset_bytes"] > 0
+    # An open writes nothing: no write syscall during it, no file created or grown by it or by inspect.
+    assert res["open_wchar_bytes"] == res["open_files_grown_bytes"] == res["inspect_files_grown_bytes"] == 0
+    for key in ("open_s", "inspect_s", "peak_rss_after_open_mb", "items_per_s_0_workers", "items_per_s_2_workers"):
+        assert _positive(res[key]), key
+    assert res["inspect_output"][1] == "rows: 60 in 3 Parquet file(s), 3 row group(s)"
+    assert data["wan_1_3b_model"] is None  # --quick skips the 1.3B arithmetic
+    assert "| quick | 60 | 3 | 3 |" in md and "items/s, 2 workers" in md

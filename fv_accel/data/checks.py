@@ -2,8 +2,9 @@
 file, the row and the value: rows whose stored bytes cannot be what their shape says, empty text
 embeddings, and (given the transformer's numbers) latents or text the model cannot take.
 
-Only the shape, dtype and byte-length columns are read (the byte lengths come from the Arrow
-offsets, not the data), so the checks cost little even on a large dataset.
+Only the shape and dtype columns are read at open; the byte lengths too on a small dataset
+(BYTE_CHECK_LIMIT), since Parquet keeps no per-value lengths outside the data pages. On a larger
+dataset a row's byte lengths are checked when it is read, with the same message.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ def _shape_problem(shape: Any, column: str, expected: str, ndims: Sequence[int])
     return None
 
 
+# A byte length not read at open (checked when the row is read).
+UNCHECKED = -1
+
+
 def _row_problem(latent: tuple, text: tuple) -> Optional[str]:
-    """latent / text: (shape, dtype, number of bytes) of one row."""
+    """latent / text: (shape, dtype, number of bytes, or UNCHECKED) of one row."""
     problem = _shape_problem(latent[0], "vae_latent_shape", "[C, T, H, W]", (4,))
     if problem is None and min(int(s) for s in latent[0]) < 1:
         problem = f"vae_latent_shape {list(latent[0])}: the latent is empty"
@@ -51,28 +56,56 @@ def _row_problem(latent: tuple, text: tuple) -> Optional[str]:
         if problem is None:
             if nbytes is None:
                 problem = f"{column} is missing (null)"
+            elif nbytes == UNCHECKED:
+                problem = _dtype_problem(dtype, column)
             else:
                 size = stored_size_problem(int(nbytes), shape, dtype)
                 problem = f"{column}: {size}" if size else None
     return problem
 
 
+# Up to this many bytes of latents and text embeddings (uncompressed, from the footers), an open
+# reads every row's byte lengths to check them (LatentDataset passes it to ParquetRows); above it
+# each row's are checked when it is read.
+BYTE_CHECK_LIMIT = 64 * 2**20
+LENGTH_COLUMNS = ("vae_latent_bytes", "text_embedding_bytes")
+
+
+def byte_lengths_checked_at_open(dataset: Any) -> bool:
+    """Whether opening `dataset` (a LatentDataset) checked every row's byte lengths (small datasets)."""
+    return dataset.rows.lengths is not None
+
+
+def _dtype_problem(dtype: Any, column: str) -> Optional[str]:
+    # A shape of no values needs 0 bytes: only the dtype can be wrong.
+    problem = stored_size_problem(0, [0], dtype)
+    return f"{column}: {problem}" if problem else None
+
+
 def check_stored_rows(dataset: Any) -> None:
-    """Every row's latent and text embedding must be readable as the shape and dtype it records.
+    """Every row's latent and text embedding must have a shape and dtype it can be read as, and (on
+    a dataset of at most BYTE_CHECK_LIMIT bytes) the bytes that shape and dtype take.
 
-    `dataset`: a `LatentDataset` (its `ds`, `describe`)."""
-    import pyarrow.compute as pc
-
-    table = dataset.ds.data
+    `dataset`: a `LatentDataset` (its `rows`, `describe`)."""
+    rows = dataset.rows
 
     def columns(prefix: str) -> list[tuple]:
-        nbytes = pc.binary_length(table.column(f"{prefix}_bytes")).to_pylist()
-        shapes = table.column(f"{prefix}_shape").to_pylist()
-        dtypes = table.column(f"{prefix}_dtype").to_pylist()
+        shapes = rows.columns[f"{prefix}_shape"]
+        dtypes = rows.columns[f"{prefix}_dtype"]
+        nbytes = rows.lengths[f"{prefix}_bytes"] if rows.lengths is not None else [UNCHECKED] * len(shapes)
         return list(zip(shapes, dtypes, nbytes))
 
+    # Rows of a dataset share few (shape, dtype, length) combinations: each is judged once.
+    judged: dict[tuple, Optional[str]] = {}
+
+    def problem(lat: tuple, txt: tuple) -> Optional[str]:
+        key = tuple(tuple(v) if isinstance(v, list) else v for v in (*lat, *txt))
+        if key not in judged:
+            judged[key] = _row_problem(lat, txt)
+        return judged[key]
+
     latents, texts = columns("vae_latent"), columns("text_embedding")
-    _first_problem(((i, _row_problem(lat, txt)) for i, (lat, txt) in enumerate(zip(latents, texts))), dataset.describe)
+    _first_problem(((i, problem(lat, txt)) for i, (lat, txt) in enumerate(zip(latents, texts))), dataset.describe)
 
 
 def check_fits_model(

@@ -25,8 +25,8 @@ from fv_accel.data.schema import (
     DATASET_INFO,
     REQUIRED_COLUMNS,
     bytes_to_tensor,
+    local_dataset_path,
     parquet_files,
-    parquet_row_counts,
     read_dataset_info,
     read_tensor_column,
 )
@@ -35,53 +35,51 @@ from fv_accel.seeding import sample_generator_seed
 logger = logging.getLogger(__name__)
 
 TEXT_MAX_LENGTH = 512
+# Columns read whole when a dataset is opened (the rest is read by row group when a row is asked for).
+SMALL_COLUMNS = ("id", "vae_latent_shape", "vae_latent_dtype", "text_embedding_shape", "text_embedding_dtype")
 
 
 class LatentDataset(Dataset):
-    """Rows of FastVideo-schema Parquet files; items are addressed by (index, epoch, position)."""
+    """Rows of FastVideo-schema Parquet files; items are addressed by (index, epoch, position).
+
+    Opening reads the files' footers and the small columns (id, shapes, dtypes) with pyarrow, in
+    place: nothing is copied or written. A row's tensors are read with its row group when the row is
+    asked for (fv_accel/data/parquet_rows.py)."""
 
     def __init__(self, data_path: str, *, text_max_length: int = TEXT_MAX_LENGTH, cfg_rate: float = 0.0, seed: int = 0):
-        import datasets
+        from fv_accel.data import checks
+        from fv_accel.data.parquet_rows import ParquetRows
 
-        from fv_accel.data.checks import check_stored_rows
-
-        self.data_path = str(data_path)
-        self.files = parquet_files(data_path)
-        counts = parquet_row_counts(self.files)
-        # `datasets` refuses a dataset without rows with an unrelated message; say it plainly.
-        if sum(counts) == 0:
+        # hf://<repo> and a repository's cache folder become the local snapshot folder.
+        self.data_path = local_dataset_path(data_path)
+        self.files = parquet_files(self.data_path)
+        self.rows = ParquetRows(
+            self.files, SMALL_COLUMNS, length_columns=checks.LENGTH_COLUMNS, length_limit=checks.BYTE_CHECK_LIMIT
+        )
+        # Row i of the dataset is row i - file_starts[k] of file k.
+        self.file_starts = self.rows.file_starts
+        if len(self.rows) == 0:
             raise ValueError(f"{self.data_path}: the dataset is empty (0 rows in {len(self.files)} Parquet file(s))")
-        # Row i of the dataset is row i - file_starts[k] of file k (`datasets` keeps the files' order).
-        self.file_starts = [0]
-        for n in counts:
-            self.file_starts.append(self.file_starts[-1] + n)
-        try:
-            self.ds = datasets.Dataset.from_parquet(self.files)
-        except Exception as err:  # noqa: BLE001 - e.g. shards with different columns
-            detail = str(err).splitlines()[0] if str(err) else ""
-            raise ValueError(f"{self.data_path}: cannot read its Parquet files ({type(err).__name__}: {detail})") from None
-        missing = [c for c in REQUIRED_COLUMNS if c not in self.ds.column_names]
+        missing = [c for c in REQUIRED_COLUMNS if c not in self.rows.column_names]
         if missing:
             raise ValueError(
                 f"{self.data_path}: missing column(s) {', '.join(missing)}; expected FastVideo's schema "
                 f"({', '.join(REQUIRED_COLUMNS)})"
             )
-        if len(self.ds) == 0:
-            raise ValueError(f"{self.data_path}: the dataset is empty (0 rows)")
         recorded = read_dataset_info(self.data_path).get("num_rows") if Path(self.data_path).is_dir() else None
-        if recorded is not None and int(recorded) != len(self.ds):
+        if recorded is not None and int(recorded) != len(self.rows):
             raise ValueError(
                 f"{self.data_path}: {DATASET_INFO} records {recorded} rows but its Parquet files hold "
-                f"{len(self.ds)}: shards were added, removed or cut short since preprocessing finished; rerun "
+                f"{len(self.rows)}: shards were added, removed or cut short since preprocessing finished; rerun "
                 "the same preprocess command to rebuild it"
             )
-        self.ids = self.ds["id"] if "id" in self.ds.column_names else None
-        check_stored_rows(self)
-        self.latent_shapes = [tuple(int(v) for v in s) for s in self.ds["vae_latent_shape"]]
-        self.text_shapes = [tuple(int(v) for v in s) for s in self.ds["text_embedding_shape"]]
+        self.ids = self.rows.columns.get("id")
+        checks.check_stored_rows(self)
+        self.latent_shapes = [tuple(int(v) for v in s) for s in self.rows.columns["vae_latent_shape"]]
+        self.text_shapes = [tuple(int(v) for v in s) for s in self.rows.columns["text_embedding_shape"]]
         # Image-to-video columns this dataset has (read into the batch where a row holds them).
-        self.conditioning_columns = [c for c in CONDITIONING_COLUMNS if f"{c}_bytes" in self.ds.column_names]
-        self.text_columns = [c for c in TEXT_COLUMNS if f"{c}_bytes" in self.ds.column_names]
+        self.conditioning_columns = [c for c in CONDITIONING_COLUMNS if f"{c}_bytes" in self.rows.column_names]
+        self.text_columns = [c for c in TEXT_COLUMNS if f"{c}_bytes" in self.rows.column_names]
         self.text_max_length = text_max_length
         self.cfg_rate = float(cfg_rate)
         self.seed = seed
@@ -95,20 +93,18 @@ class LatentDataset(Dataset):
         return f"{self.files[k]} row {int(index) - self.file_starts[k]}" + (f" (id {ident!r})" if ident else "")
 
     def __len__(self) -> int:
-        return len(self.ds)
+        return len(self.rows)
 
     def bucket_key(self, i: int) -> tuple[int, int, int]:
         return self.latent_shapes[i][1:]  # (T, H, W)
 
     def __getitem__(self, key: Any) -> dict:
         index, epoch, position = key if isinstance(key, tuple) else (key, 0, 0)
-        row = self.ds[int(index)]
+        row = self.rows.row(int(index))
         source = self.describe(int(index))
         where = f"{source}: "
-        latent = bytes_to_tensor(row["vae_latent_bytes"], row["vae_latent_shape"], row["vae_latent_dtype"], where=where)
-        text = bytes_to_tensor(
-            row["text_embedding_bytes"], row["text_embedding_shape"], row["text_embedding_dtype"], where=where
-        ).float()
+        latent = _stored_tensor(row, "vae_latent", where)
+        text = _stored_tensor(row, "text_embedding", where).float()
         if text.ndim == 3 and text.shape[0] == 1:
             text = text[0]
         padded, mask = pad_text(text, self.text_max_length)
@@ -156,6 +152,15 @@ class LatentDataset(Dataset):
             if value is not None:
                 item[name] = conditioning_tensor(name, value, tuple(latent.shape), where)
         return item
+
+
+def _stored_tensor(row: dict, name: str, where: str) -> torch.Tensor:
+    """A required tensor column of a row; its byte length is checked against its shape here (the
+    open checks it only for small datasets, fv_accel/data/checks.py)."""
+    raw = row[f"{name}_bytes"]
+    if raw is None:
+        raise ValueError(f"{where}{name}_bytes is missing (null)")
+    return bytes_to_tensor(raw, row[f"{name}_shape"], row[f"{name}_dtype"], where=f"{where}{name}_bytes: ")
 
 
 def pad_text(text: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,6 +389,19 @@ class BucketBatchSampler:
             epoch, start = epoch + 1, 0
 
 
+WORKER_ERROR = "Caught ValueError in DataLoader worker"
+
+
+def _worker_error(err: ValueError) -> ValueError:
+    """The message a DataLoader worker's ValueError had (the last `ValueError: ...` of the traceback
+    torch puts in the message), or `err` itself when it did not come from a worker."""
+    text = str(err)
+    mark = "\nValueError: "
+    if not text.startswith(WORKER_ERROR) or mark not in text:
+        return err
+    return ValueError(text[text.rindex(mark) + len(mark) :].strip())
+
+
 class TrainLoader:
     """A DataLoader over the bucket sampler that knows its position for checkpoints."""
 
@@ -405,8 +423,16 @@ class TrainLoader:
             num_workers=self.num_workers,
             persistent_workers=False,
         )
-        for batch in loader:
-            yield batch
+        try:
+            for batch in loader:
+                yield batch
+        except ValueError as err:
+            # A row a worker could not read: torch wraps the message in the worker's traceback;
+            # raise the row's own one-line message, as without workers.
+            own = _worker_error(err)
+            if own is err:
+                raise
+            raise own from None
 
     def mark_step_done(self, batch: dict) -> None:
         """Record that the optimizer step that used `batch` is finished (for the checkpoint)."""
@@ -460,7 +486,7 @@ VAE_TEMPORAL, VAE_SPATIAL = 4, 8
 def vae_factors(data_path: Any) -> tuple[int, int]:
     """(temporal, spatial) compression of the VAE that encoded a dataset, as preprocessing recorded it
     in fv_dataset.json (Wan 2.1's 4 and 8 where it did not)."""
-    info = read_dataset_info(data_path) if data_path and Path(str(data_path)).exists() else {}
+    info = read_dataset_info(data_path) if data_path and Path(local_dataset_path(data_path)).exists() else {}
     return int(info.get("scale_factor_temporal") or VAE_TEMPORAL), int(info.get("scale_factor_spatial") or VAE_SPATIAL)
 
 

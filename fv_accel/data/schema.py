@@ -1,4 +1,5 @@
-"""FastVideo's precomputed-latent Parquet schema (REFERENCE.md section 7), read and written with `datasets`.
+"""FastVideo's precomputed-latent Parquet schema (REFERENCE.md section 7), written with `datasets`
+(read in place with pyarrow: fv_accel/data/parquet_rows.py).
 
 A row holds the VAE latent [C, T, H, W] and the text embedding [L, D] as raw bytes with their shape
 and dtype, plus the clip's metadata. Datasets preprocessed by FastVideo load unchanged.
@@ -136,8 +137,21 @@ def make_row(
     return row
 
 
+# Row groups of at most this many bytes (or 1000 rows): the loader decodes a row's whole row group to
+# read it, so at Wan 1.3B shapes (8.4 MB a row) each row is its own row group.
+ROW_GROUP_BYTES = 16 * 10**6
+
+
+def row_group_rows(rows: Sequence[dict]) -> int:
+    """Rows per Parquet row group for these rows: ROW_GROUP_BYTES of their binary columns, 1 to 1000."""
+    stored = sum(len(v) for row in rows for v in row.values() if isinstance(v, (bytes, bytearray)))
+    per_row = max(1, stored // max(1, len(rows)))
+    return max(1, min(1000, ROW_GROUP_BYTES // per_row))
+
+
 def write_rows(rows: list[dict], path: str | Path) -> Path:
-    """Write rows as one Parquet shard (through a temporary name, so a crash leaves no partial file)."""
+    """Write rows as one Parquet shard (through a temporary name, so a crash leaves no partial file),
+    in row groups of `row_group_rows(rows)` rows."""
     import datasets
 
     path = Path(path)
@@ -147,7 +161,7 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
     was_disabled = datasets.utils.are_progress_bars_disabled()
     datasets.utils.disable_progress_bars()
     try:
-        datasets.Dataset.from_list(rows).to_parquet(str(tmp))
+        datasets.Dataset.from_list(rows).to_parquet(str(tmp), batch_size=row_group_rows(rows))
     finally:
         if not was_disabled:
             datasets.utils.enable_progress_bars()
@@ -182,7 +196,7 @@ def write_dataset_info(folder: str | Path, *, model: str, latent_stats: Optional
 def read_dataset_info(data_path: str | Path) -> dict:
     import json
 
-    p = Path(data_path)
+    p = Path(local_dataset_path(data_path))
     path = (p if p.is_dir() else p.parent) / DATASET_INFO
     if not path.is_file():
         return {}
@@ -206,8 +220,41 @@ class IncompleteDatasetError(ValueError):
     """A dataset folder that preprocessing has not finished (or of which shards are missing)."""
 
 
+HF_PREFIX = "hf://"
+
+
+def local_dataset_path(data_path: str | Path) -> str:
+    """A dataset path as a local folder: `hf://<owner>/<name>[/<subfolder>]` is that dataset
+    repository's snapshot in the local Hugging Face cache (never downloaded: offline), and a repository's
+    cache folder (`.../datasets--<owner>--<name>`) is its snapshot of `refs/main`. Other paths are
+    returned as they are."""
+    text = str(data_path)
+    if text.startswith(HF_PREFIX):
+        parts = [p for p in text[len(HF_PREFIX) :].split("/") if p]
+        if len(parts) < 2:
+            raise FileNotFoundError(f"training.data.data_path: '{text}': expected hf://<owner>/<name>[/<subfolder>]")
+        repo_id, sub = "/".join(parts[:2]), parts[2:]
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
+        except Exception:  # noqa: BLE001 - LocalEntryNotFoundError and kin: not in the cache
+            from huggingface_hub import constants
+
+            raise FileNotFoundError(
+                f"training.data.data_path: '{text}': the dataset repository {repo_id} is not in the local Hugging Face "
+                f"cache ({constants.HF_HUB_CACHE}); download it first: hf download --repo-type dataset {repo_id}"
+            ) from None
+        return str(folder.joinpath(*sub))
+    p = Path(text)
+    ref = p / "refs" / "main"
+    if p.name.startswith("datasets--") and (p / "snapshots").is_dir() and ref.is_file():
+        return str(p / "snapshots" / ref.read_text(encoding="utf-8").strip())
+    return text
+
+
 def parquet_files(data_path: str | Path) -> list[str]:
-    p = Path(data_path)
+    p = Path(local_dataset_path(data_path))
     if p.is_file():
         return [str(p)]
     if p.is_dir():

@@ -1,0 +1,364 @@
+"""Issue 15: datasets opened in place with pyarrow (footers and shape columns at open, rows by row
+group on demand). Same samples, order, dropout and resume as the former `datasets` reader; an open
+writes no file; DataLoader workers give the same batches and resume exactly; the inspect command."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import tempfile
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import fv_accel.data.loader as loader_module
+from fv_accel.data.loader import BucketBatchSampler, LatentDataset, TrainLoader, build_train_loader, collate
+from fv_accel.data.schema import make_row, tensor_columns, write_dataset_info
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _rows(shapes_counts, *, seed: int, start: int = 0, extra=None) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for shape, count in shapes_counts:
+        for _ in range(count):
+            k = start + len(rows)
+            row = make_row(
+                sample_id=f"s{k}",
+                latent=torch.randn(16, *shape, generator=g).to(torch.bfloat16),
+                text_embedding=torch.randn(3 + k % 4, 32, generator=g),
+                caption=f"caption {k}",
+            )
+            if extra:
+                row.update(extra(k, g))
+            rows.append(row)
+    return rows
+
+
+def _write(path: Path, rows: list[dict], row_group_size: int = 3) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
+    return path
+
+
+def _nested_dataset(folder: Path, *, seed: int, shapes_counts, shards: int, stats: bool = True) -> str:
+    """Rows spread over `shards` files in nested folders, row groups of 3 rows."""
+    rows = _rows(shapes_counts, seed=seed)
+    per = -(-len(rows) // shards)
+    for k in range(shards):
+        _write(folder / f"part{k % 3}" / f"sub{k}" / f"rows-{k:03d}.parquet", rows[k * per : (k + 1) * per])
+    if stats:
+        write_dataset_info(folder, model=None, latent_stats=([0.0] * 16, [1.0] * 16), num_rows=len(rows))
+    return str(folder)
+
+
+class DatasetsRows:
+    """The former reader, kept here as the reference: `datasets` converts the files to its Arrow
+    cache (in `cache_dir`) and a row is `ds[i]`."""
+
+    def __init__(self, files, cache_dir):
+        import datasets
+
+        self.ds = datasets.Dataset.from_parquet(list(files), cache_dir=str(cache_dir))
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def row(self, index: int) -> dict:
+        return self.ds[int(index)]
+
+
+def _old_dataset(path: str, cache_dir: Path, **kw) -> LatentDataset:
+    """A LatentDataset whose rows, ids and shapes come from the former `datasets` reader."""
+    new = LatentDataset(path, **kw)
+    old = copy.copy(new)
+    old.rows = DatasetsRows(new.files, cache_dir)
+    old.ids = old.rows.ds["id"]
+    old.latent_shapes = [tuple(int(v) for v in s) for s in old.rows.ds["vae_latent_shape"]]
+    old.text_shapes = [tuple(int(v) for v in s) for s in old.rows.ds["text_embedding_shape"]]
+    return old
+
+
+def _same_batch(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_same_batches_as_the_datasets_reader_over_two_epochs_with_mixing_and_heldout(tmp_path, monkeypatch):
+    from fv_accel.config import default_recipe, load_config
+    from fv_accel.validation import heldout_split
+
+    a = _nested_dataset(tmp_path / "a", seed=1, shapes_counts=[((2, 4, 4), 10), ((3, 4, 6), 8)], shards=5)
+    b = _nested_dataset(tmp_path / "b", seed=2, shapes_counts=[((2, 4, 4), 6), ((3, 4, 6), 6)], shards=2)
+    cfg = load_config(default_recipe("finetune"), {
+        "training.data.data_path": a, "training.data.mix": [{"data_path": b, "weight": 0.5}],
+        "training.data.train_batch_size": 2, "training.data.training_cfg_rate": 0.3, "training.data.seed": 7,
+    })
+    held = heldout_split(18, 0.2, 7)
+    new = build_train_loader(cfg, world_size=1, rank=0, exclude_indices=held)
+    assert [len(p.files) for p in new.dataset.parts] == [5, 2]
+    real = loader_module.LatentDataset
+    monkeypatch.setattr(loader_module, "LatentDataset", lambda path, **kw: _old_dataset(path, tmp_path / "hf", **kw))
+    old = build_train_loader(cfg, world_size=1, rank=0, exclude_indices=held)
+    monkeypatch.setattr(loader_module, "LatentDataset", real)
+    assert isinstance(old.dataset.parts[0].rows, DatasetsRows) and any((tmp_path / "hf").rglob("*.arrow"))
+    assert new.sampler.bucket_keys == old.sampler.bucket_keys and new.sampler.weights == old.sampler.weights
+    steps = len(new.sampler.epoch_groups(0)) + len(new.sampler.epoch_groups(1))
+    seen = set()
+    for n, (x, y) in enumerate(zip(islice(iter(new), steps), islice(iter(old), steps))):
+        _same_batch(x, y)
+        seen |= set(x["sample_index"].tolist())
+    assert n == steps - 1 and int(x["epoch"][0]) == 1
+    assert not seen & set(held) and {i >= 18 for i in seen} == {False, True}  # both datasets drawn
+
+
+def test_extra_columns_read_as_before(tmp_path):
+    def extra(k, g):
+        out = {}
+        out.update(tensor_columns("first_frame_latent", torch.randn(16, 2, 4, 4, generator=g)))
+        out.update(tensor_columns("clip_feature", torch.randn(1, 5, 8, generator=g)))
+        out.update(tensor_columns("pil_image", torch.randint(0, 255, (32, 32, 3), generator=g, dtype=torch.uint8)))
+        out.update(tensor_columns("pooled_text_embedding", torch.randn(24, generator=g)))
+        # Even rows: a caption with none of the second encoder's tokens, stored [0, D] with no bytes.
+        second = torch.zeros(0, 12) if k % 2 == 0 else torch.randn(4, 12, generator=g)
+        out.update(tensor_columns("text_embedding_2", second))
+        return out
+
+    data = tmp_path / "d"
+    _write(data / "data.parquet", _rows([((2, 4, 4), 4)], seed=3, extra=extra), row_group_size=2)
+    new, old = LatentDataset(str(data)), _old_dataset(str(data), tmp_path / "hf")
+    for i in range(4):
+        x, y = new[(i, 0, 0)], old[(i, 0, 0)]
+        _same_batch(x, y)
+        assert {"first_frame_latent", "clip_feature", "pil_image", "pooled_text_embedding", "text_embedding_2"} <= x.keys()
+    empty = new[(0, 0, 0)]
+    assert empty["text_embedding_2"].shape == (512, 12) and not empty["text_embedding_2"].any()
+    assert not empty["text_attention_mask_2"].any() and new[(1, 0, 0)]["text_attention_mask_2"].sum() == 4
+    batch = collate([new[(i, 0, 0)] for i in range(4)])
+    assert batch["pil_image"].dtype == torch.uint8 and batch["clip_feature"].shape == (4, 5, 8)
+    assert new.describe(3) == f"{data}/data.parquet row 3 (id 's3')"
+
+
+def _listing(*folders: Path) -> dict:
+    return {
+        str(p): p.stat().st_size for folder in folders for p in Path(folder).rglob("*")
+    }
+
+
+def test_an_open_writes_no_file(tmp_path, monkeypatch):
+    data = Path(_nested_dataset(tmp_path / "data", seed=4, shapes_counts=[((2, 4, 4), 8)], shards=3))
+    home, tmp, hf = tmp_path / "home", tmp_path / "tmp", tmp_path / "hf"
+    for folder in (home, tmp, hf):
+        folder.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setenv("HF_HOME", str(hf))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(hf / "datasets"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / ".cache"))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    before = _listing(home, tmp, hf, data)
+    ds = LatentDataset(str(data))
+    sampler = BucketBatchSampler([ds.bucket_key(i) for i in range(len(ds))], batch_size=2, seed=0)
+    batches = list(islice(iter(TrainLoader(ds, sampler)), 6))
+    assert sorted(int(i) for b in batches[:4] for i in b["sample_index"]) == list(range(8))
+    assert _listing(home, tmp, hf, data) == before
+
+
+def test_many_nested_shards_and_a_bounded_row_group_cache(tmp_path):
+    data = _nested_dataset(tmp_path / "d", seed=5, shapes_counts=[((2, 4, 4), 36)], shards=12)
+    ds = LatentDataset(data)
+    assert len(ds.files) == 12 and len(ds) == 36 and ds.files == sorted(ds.files)
+    assert sum(len(s) - 1 for s in ds.rows.row_group_starts) == 12  # 3 rows a shard, one row group each
+    # Row i is the files' rows in the order of their sorted paths (nested folders included).
+    written = [c for f in ds.files for c in pq.read_table(f, columns=["caption"]).column("caption").to_pylist()]
+    assert sorted(written) == sorted(f"caption {k}" for k in range(36)) and written != sorted(written)
+    assert [ds[(i, 0, 0)]["caption"] for i in range(36)] == written
+    assert len(ds.rows._groups) == 2 and len(ds.rows._files) == 12
+    ident = pq.read_table(ds.files[5], columns=["id"]).column("id")[2].as_py()
+    assert ds.describe(17) == f"{ds.files[5]} row 2 (id {ident!r})"
+
+
+def test_files_with_different_columns_are_named(tmp_path):
+    data = tmp_path / "d"
+    _write(data / "a.parquet", _rows([((2, 4, 4), 2)], seed=0))
+    rows = _rows([((2, 4, 4), 2)], seed=0, start=2, extra=lambda k, g: tensor_columns("clip_feature", torch.ones(2, 3)))
+    _write(data / "b.parquet", rows)
+    with pytest.raises(ValueError) as err:
+        LatentDataset(str(data))
+    assert str(err.value) == (
+        f"{data}/b.parquet: its columns differ from those of {data}/a.parquet (has clip_feature_bytes, "
+        "clip_feature_dtype, clip_feature_shape); the files of one dataset must share one schema (preprocess them "
+        "with the same model, or give them as separate datasets)"
+    )
+
+
+def test_large_dataset_checks_byte_lengths_when_a_row_is_read(tmp_path, monkeypatch):
+    import fv_accel.data.checks as checks
+    rows = _rows([((2, 4, 4), 4)], seed=6)
+    rows[2]["vae_latent_bytes"] = rows[2]["vae_latent_bytes"][:-8]
+    data = tmp_path / "d"
+    _write(data / "data.parquet", rows)
+    with pytest.raises(ValueError, match=r"row 2 \(id 's2'\): vae_latent_bytes: 1016 bytes stored for shape"):
+        LatentDataset(str(data))  # small: checked at open
+    monkeypatch.setattr(checks, "BYTE_CHECK_LIMIT", 0)
+    read_at_open = []
+    real_read = pq.ParquetFile.read
+
+    def spy(self, columns=None, **kw):
+        read_at_open.append(columns)
+        return real_read(self, columns=columns, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read", spy)
+    ds = LatentDataset(str(data))
+    assert ds.rows.lengths is None and read_at_open and not any(c.endswith("_bytes") for cols in read_at_open for c in cols)
+    assert ds[(1, 0, 0)]["vae_latent"].shape == (16, 2, 4, 4)
+    with pytest.raises(ValueError) as err:
+        ds[(2, 0, 0)]
+    message = (
+        f"{data}/data.parquet row 2 (id 's2'): vae_latent_bytes: 1016 bytes stored for shape [16, 2, 4, 4] of "
+        "bfloat16 (1024 bytes expected)"
+    )
+    assert str(err.value) == message
+    # The same line when a DataLoader worker reads the row (not torch's wrapped worker traceback).
+    sampler = BucketBatchSampler([ds.bucket_key(i) for i in range(4)], batch_size=4, shuffle=False)
+    with pytest.raises(ValueError) as err:
+        next(iter(TrainLoader(ds, sampler, num_workers=1)))
+    assert str(err.value) == message
+
+
+def _loader(data: str, workers: int) -> TrainLoader:
+    ds = LatentDataset(data, cfg_rate=0.3, seed=2)
+    keys = [ds.bucket_key(i) for i in range(len(ds))]
+    return TrainLoader(ds, BucketBatchSampler(keys, batch_size=2, seed=9), num_workers=workers)
+
+
+def test_workers_give_the_same_batches_and_resume_exactly(tmp_path):
+    data = _nested_dataset(tmp_path / "d", seed=7, shapes_counts=[((2, 4, 4), 8), ((3, 4, 6), 6)], shards=4)
+    reference = list(islice(iter(_loader(data, 0)), 14))  # two epochs of 7 steps
+    with_workers = _loader(data, 2)
+    it = iter(with_workers)
+    got = []
+    for _ in range(5):
+        got.append(next(it))
+        with_workers.mark_step_done(got[-1])
+    del it
+    for x, y in zip(got, reference):
+        _same_batch(x, y)
+    state = with_workers.state_dict()
+    assert state == {"epoch": 0, "step_in_epoch": 5, "group_size": 2}
+    resumed = _loader(data, 2)
+    resumed.load_state_dict(state)
+    for x, y in zip(islice(iter(resumed), 9), reference[5:], strict=True):
+        _same_batch(x, y)
+    # The recipe key reaches the loader.
+    from fv_accel.config import default_recipe, load_config
+
+    cfg = load_config(default_recipe("finetune"), {"training.data.data_path": data, "training.data.dataloader_num_workers": 2})
+    assert build_train_loader(cfg, world_size=1, rank=0).num_workers == 2
+
+
+def _isolated_env(env_root: Path) -> dict:
+    """This environment with HOME, TMPDIR and the Hugging Face caches in empty folders under `env_root`."""
+    env = dict(os.environ)
+    for name, sub in (("HOME", "home"), ("TMPDIR", "tmp"), ("HF_HOME", "hf"), ("HF_DATASETS_CACHE", "hf/datasets"),
+                      ("XDG_CACHE_HOME", "home/.cache")):
+        (env_root / sub).mkdir(parents=True, exist_ok=True)
+        env[name] = str(env_root / sub)
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def _run_inspect(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fv_accel.data.inspect", *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_inspect_prints_the_dataset_and_writes_nothing(tmp_path, capsys):
+    data = Path(_nested_dataset(tmp_path / "d", seed=8, shapes_counts=[((2, 4, 4), 9), ((3, 4, 6), 3)], shards=2))
+    env_root = tmp_path / "env"
+    env = _isolated_env(env_root)
+    before = _listing(env_root, data)
+    done = _run_inspect([str(data), "--batch_size", "2", "--num_processes", "2"], env)
+    assert done.returncode == 0, done.stderr
+    assert _listing(env_root, data) == before
+    lines = done.stdout.splitlines()
+    text = done.stdout
+    assert lines[0] == f"dataset: {data}"
+    assert "rows: 12 in 2 Parquet file(s), 4 row group(s)" in lines
+    assert "buckets (latent T, H, W): 2" in lines
+    assert "  (2, 4, 4): 9 row(s)" in lines and "  (3, 4, 6): 3 row(s)" in lines
+    assert "  vae_latent: bfloat16 x 12" in lines and "  text_embedding: float32 x 12" in lines
+    assert "latent statistics: found in fv_dataset.json (16 channels)" in lines
+    # 4 samples a step: 3 of the (3, 4, 6) rows can never be trained; each epoch leaves 1 of the others out.
+    assert "rows no step can take at batch 2 x 2 processes x 1 accumulation (4 a step): 3 (bucket(s) (3, 4, 6))" in lines
+    assert "rows left out each epoch (bucket remainders): 1" in lines
+    assert any(line.startswith("open time: ") and "imports included" in line for line in lines)
+    assert "bytes: " in text and "byte lengths: checked at open" in text
+    # In process from here. A FastVideo dataset without fv_dataset.json: the statistics are reported missing.
+    from fv_accel.data.inspect import main as inspect_main
+
+    (data / "fv_dataset.json").unlink()
+    capsys.readouterr()
+    assert inspect_main([str(data)]) == 0
+    assert "latent statistics: missing (no fv_dataset.json; set models.student.latents_mean / latents_std, or " \
+        "models.student.init_from a model whose VAE has them)" in capsys.readouterr().out.splitlines()
+    # An incomplete shard set is refused in one line.
+    bad = tmp_path / "bad"
+    _write(bad / "data-00000-of-00002.parquet", _rows([((2, 4, 4), 2)], seed=0))
+    assert inspect_main([str(bad)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {bad}: the dataset is incomplete: shard(s) 00001 of data-*-of-00002 are missing (1 of 2 present) and "
+        "fv_dataset.json, which preprocessing writes last, is missing; finish it by rerunning the same `python -m "
+        f"fv_accel.preprocess ... --output {bad}` command (it resumes where it stopped)"
+    ]
+    assert inspect_main([str(data), "--batch_size", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --batch_size: expected an integer >= 1, got 0"
+
+
+def test_a_dataset_in_the_local_hugging_face_cache(tmp_path, monkeypatch):
+    """`hf://<owner>/<name>` and a repository's cache folder: its snapshot, read where it lies
+    (files are links to blobs, as the hub client stores them), offline."""
+    from huggingface_hub import constants
+
+    from fv_accel.data.schema import read_dataset_info
+
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    repo = hub / "datasets--me--clips"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    _write(repo / "blobs" / "aaaa", _rows([((2, 4, 4), 4)], seed=9))
+    (snapshot / "data").mkdir(parents=True)
+    (snapshot / "data" / "train-00000-of-00001.parquet").symlink_to(repo / "blobs" / "aaaa")
+    write_dataset_info(snapshot, model=None, latent_stats=([0.0] * 16, [1.0] * 16), num_rows=4)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for path in ("hf://me/clips", str(repo)):
+        ds = LatentDataset(path)
+        assert ds.data_path == str(snapshot) and len(ds) == 4
+        assert ds.describe(1) == f"{snapshot}/data/train-00000-of-00001.parquet row 1 (id 's1')"
+        assert ds[(3, 0, 0)]["caption"] == "caption 3"
+    assert read_dataset_info("hf://me/clips")["num_rows"] == 4
+    from fv_accel.build import resolve_data_path
+    from fv_accel.config import default_recipe, load_config
+
+    cfg = load_config(default_recipe("finetune"), {"training.data.data_path": "hf://me/clips"})
+    assert resolve_data_path(cfg, accelerator=None) == str(snapshot)
+    assert len(LatentDataset("hf://me/clips/data")) == 4
+    with pytest.raises(FileNotFoundError) as err:
+        LatentDataset("hf://me/other")
+    assert str(err.value) == (
+        f"training.data.data_path: 'hf://me/other': the dataset repository me/other is not in the local Hugging Face "
+        f"cache ({hub}); download it first: hf download --repo-type dataset me/other"
+    )
