@@ -418,7 +418,9 @@ class Trainer:
         progress = self._progress = tqdm(
             total=max_steps, initial=self.step, desc="train", disable=not acc.is_local_main_process, dynamic_ncols=True
         )
-        data_iter = iter(self.dataloader)
+        from fv_accel.data.loader import device_prefetch
+
+        data_iter = device_prefetch(self.dataloader, acc.device)
         t_start = time.perf_counter()
         steps_run = 0
         samples_run = 0

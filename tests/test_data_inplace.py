@@ -362,3 +362,26 @@ def test_a_dataset_in_the_local_hugging_face_cache(tmp_path, monkeypatch):
         f"training.data.data_path: 'hf://me/other': the dataset repository me/other is not in the local Hugging Face "
         f"cache ({hub}); download it first: hf download --repo-type dataset me/other"
     )
+
+
+def test_device_prefetch_copies_the_next_batch_before_handing_out_the_current_one():
+    """On CUDA the trainer reads through device_prefetch: batch i + 1's copy is started before batch
+    i is used; the host keys (sampler position, generator seeds) stay on the host. Checked here
+    with the look-ahead forced on for the CPU device."""
+    from fv_accel.data.loader import HOST_KEYS, device_prefetch
+
+    pulled = []
+
+    def source():
+        for i in range(3):
+            pulled.append(i)
+            yield {"vae_latent": torch.full((1, 2), float(i)), "sample_index": torch.tensor([i]), "epoch": torch.tensor([0])}
+
+    seen = []
+    for batch in device_prefetch(source(), torch.device("cpu"), ahead=True):
+        seen.append((int(batch["sample_index"][0]), list(pulled)))
+    assert seen == [(0, [0, 1]), (1, [0, 1, 2]), (2, [0, 1, 2])]
+    assert set(HOST_KEYS) == {"sample_index", "epoch"}
+    # Off CUDA (the default there) the batches are the very objects the loader made.
+    batches = [{"vae_latent": torch.zeros(1)} for _ in range(2)]
+    assert [id(b) for b in device_prefetch(batches, torch.device("cpu"))] == [id(b) for b in batches]

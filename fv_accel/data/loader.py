@@ -163,6 +163,35 @@ def _stored_tensor(row: dict, name: str, where: str) -> torch.Tensor:
     return bytes_to_tensor(raw, row[f"{name}_shape"], row[f"{name}_dtype"], where=f"{where}{name}_bytes: ")
 
 
+# Batch keys read on the host (sampler position, per-sample generator seeds): never moved.
+HOST_KEYS = ("sample_index", "epoch")
+
+
+def device_prefetch(batches: Any, device: torch.device, *, ahead: Optional[bool] = None) -> Iterator[dict]:
+    """The batches with their tensors on `device`, the next one's copy started (non-blocking, from
+    pinned memory) before the current one is handed out, so it overlaps the current step. `ahead`
+    (default: on CUDA) turns this on; otherwise the batches come as they are."""
+    if not (device.type == "cuda" if ahead is None else ahead):
+        yield from batches
+        return
+
+    def move(batch: dict) -> dict:
+        return {
+            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in HOST_KEYS else v
+            for k, v in batch.items()
+        }
+
+    it = iter(batches)
+    try:
+        following = move(next(it))
+    except StopIteration:
+        return
+    for batch in it:
+        current, following = following, move(batch)
+        yield current
+    yield following
+
+
 def pad_text(text: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[L, D] -> ([max_length, D] zero-padded (cut at max_length), [max_length] long mask of the real
     tokens). A text already of full length is returned as it is (no copy)."""
@@ -409,6 +438,8 @@ class TrainLoader:
         self.dataset = dataset
         self.sampler = sampler
         self.num_workers = num_workers
+        # Page-locked batches on CUDA machines, so `device_prefetch` copies them without blocking.
+        self.pin_memory = torch.cuda.is_available()
         # Rows left out because their shape is not the one training.data.num_* ask for.
         self.off_shape_indices: list[int] = []
         self._consumed = LoaderPosition(sampler.position.epoch, sampler.position.step_in_epoch)
@@ -422,6 +453,7 @@ class TrainLoader:
             collate_fn=collate,
             num_workers=self.num_workers,
             persistent_workers=False,
+            pin_memory=self.pin_memory,
         )
         try:
             for batch in loader:
