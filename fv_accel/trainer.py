@@ -350,6 +350,47 @@ class Trainer:
             except Exception as err:  # noqa: BLE001 - a plotting problem must not fail a finished run
                 logger.warning("could not write the plots: %s: %s", type(err).__name__, err)
 
+    def _write_model_card(self, summary: dict) -> None:
+        """`<output_dir>/README.md`, the run's model card (fv_accel/hub.py), once the weights,
+        samples, logs and plots are written (main process)."""
+        from fv_accel.hub import card_text, write_model_card
+
+        student = self.method.student
+        try:
+            try:
+                data_size: Optional[int] = len(self.dataloader.dataset)
+            except (AttributeError, TypeError):
+                data_size = None
+            text = card_text(
+                self.output_dir,
+                self.config,
+                family=type(student),
+                kind=getattr(student, "kind", None),
+                task=getattr(student, "task", None),
+                shift=student.describe_training_shift() if hasattr(student, "describe_training_shift") else None,
+                data_size=data_size,
+                steps=self.step,
+                repo_id=self.config.training.hub.repo_id if self.config.training.hub.push_to_hub else None,
+                summary=summary,
+            )
+            print(f"model card: {write_model_card(self.output_dir, text)}", flush=True)
+        except Exception as err:  # noqa: BLE001 - a card problem must not fail a finished run
+            logger.warning("could not write the model card: %s: %s", type(err).__name__, err)
+
+    def _push_to_hub(self) -> None:
+        """Upload the output folder (training.hub), main process only, after the trackers have
+        flushed their files; a failure is a HubPushError of one line (the outputs stay on disk)."""
+        hub = self.config.training.hub
+        if not hub.push_to_hub or not self.accelerator.is_main_process:
+            return
+        from fv_accel.hub import push_folder
+
+        url = push_folder(
+            self.output_dir, hub.repo_id, private=hub.private, revision=hub.revision,
+            commit_message=f"fv_accel: {self.config.method.name} run {self.config.training.tracker.run_name}, step {self.step}",
+        )
+        print(f"pushed {self.output_dir} to the Hub: {url}", flush=True)
+
     def _write_final_outputs(self, student: Any, save_final: bool) -> None:
         """The callbacks' end of training (the EMA's `ema/` export) and the trained weights
         (transformer/ or the LoRA files); a full disk is said as such."""
@@ -368,7 +409,9 @@ class Trainer:
             raise
 
     def run(self) -> dict:
-        """Train to `max_train_steps`; a SIGTERM/SIGINT stops at the next step boundary with a checkpoint."""
+        """Train to `max_train_steps`; a SIGTERM/SIGINT stops at the next step boundary with a checkpoint.
+        A completed run then uploads its output folder if `training.hub.push_to_hub` (main process;
+        a HubPushError of one line if the upload fails, everything still on disk)."""
         previous_handlers = self._install_signal_handlers()
         try:
             try:
@@ -382,6 +425,8 @@ class Trainer:
                 self._end_training(crashed=True)
                 raise
             self._end_training(crashed=False)
+            if summary.get("stopped_by") is None:
+                self._push_to_hub()  # raises HubPushError (one line) if the upload fails
             return summary
         finally:
             self._restore_signal_handlers(previous_handlers)
@@ -611,6 +656,8 @@ class Trainer:
             summary.update(cb.summary())
         if acc.is_main_process:
             self._write_summary(summary, plots=stopped_by is None and cfg.training.tracker.write_plots)
+            if stopped_by is None:
+                self._write_model_card(summary)
         if acc.is_main_process and stopped_by is None:
             logger.info("run summary: %s", summary)
             print(
