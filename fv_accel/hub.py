@@ -71,7 +71,7 @@ def card_text(
 
     `family` is the student's family class (its pipeline and ComfyUI support), `kind` its
     model_class, `task` "t2v"/"i2v", `shift` the training shift it used, `data_size` the number of
-    training clips, `steps` the final step; `repo_id` is what the loading snippets load (else the folder).
+    training clips (held-out ones left out), `steps` the final step; `repo_id` is what the loading snippets load (else the folder).
     """
     import yaml
 
@@ -117,7 +117,7 @@ def card_text(
     lines.append(f"- steps: {steps if steps is not None else loop.max_train_steps}, batch size {data.train_batch_size} per process x "
                  f"{loop.gradient_accumulation_steps} accumulation step(s)")
     lines.append(f"- learning rate {opt.learning_rate:g} ({opt.lr_scheduler}, {opt.lr_warmup_steps} warmup steps), weight decay {opt.weight_decay:g}")
-    size = f"{data_size} clips" if data_size is not None else "unknown size"
+    size = f"{data_size} training clips" if data_size is not None else "unknown size"
     lines.append(f"- data: `{data.data_path}` ({size})")
     if summary:
         first, last = summary.get("first_loss"), summary.get("last_loss")

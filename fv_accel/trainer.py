@@ -376,10 +376,8 @@ class Trainer:
 
         student = self.method.student
         try:
-            try:
-                data_size: Optional[int] = len(self.dataloader.dataset)
-            except (AttributeError, TypeError):
-                data_size = None
+            counter = getattr(self.dataloader, "num_training_rows", None)
+            data_size = counter() if counter is not None else None
             text = card_text(
                 self.output_dir,
                 self.config,

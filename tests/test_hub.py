@@ -70,7 +70,7 @@ def test_lora_run_writes_a_card_and_pushes_its_outputs(tmp_path, tiny_data_path,
     assert card.data.library_name == "diffusers" and card.data.pipeline_tag == "text-to-video"
     assert {"dfsft", "diffusion-forcing", "lora", "wan", "text-to-video"} <= set(card.data.tags)
     assert card.data.base_model is None  # the tiny base is an inline config, not a Hub model
-    for text in ("chunk size: 3", "training shift: 3.0", "steps: 2", "(8 clips)", 'load_lora_weights("me/x")',
+    for text in ("chunk size: 3", "training shift: 3.0", "steps: 2", "(8 training clips)", 'load_lora_weights("me/x")',
                  "Use it with ComfyUI", "LoRA: rank 4"):
         assert text in card.text, text
     (create, _, c), (branch, _, b), (upload, repo, u) = RecordingApi.calls

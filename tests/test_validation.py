@@ -139,6 +139,7 @@ def test_sft_run_writes_videos_tensorboard_scalars_and_plots(tmp_path, capsys):
     assert re.search(r"held-out: 100%.*\| 2/2 \[", capsys.readouterr().err)
     card = (out / "README.md").read_text()
     assert "![Held-out loss](plots/heldout_loss.png)" in card and '<video src="samples/step-2/wide.mp4"' in card
+    assert "(6 training clips)" in card  # the tiny dataset's 8 less the 2 held out
 
 
 def test_dfsft_run_samples_chunk_by_chunk(tmp_path):
