@@ -127,7 +127,7 @@ def card_text(
             lines.append(f"- best held-out loss {summary['best_heldout_loss']:.4f} at step {summary.get('best_heldout_step')}")
 
     lines += ["", "## Use it with diffusers", ""]
-    lines += _diffusers_snippet(output_dir, where, family, kind, task, lora, base or st.init_from)
+    lines += _diffusers_snippet(output_dir, where, family, kind, lora, base or st.init_from)
     if (output_dir / "pytorch_lora_weights_comfyui.safetensors").is_file():
         lines += [
             "",
@@ -161,20 +161,17 @@ def card_text(
     return "\n".join(lines) + "\n"
 
 
-def _diffusers_snippet(output_dir: Path, where: str, family: Any, kind: Optional[str], task: str, lora: bool, base: Optional[str]) -> list[str]:
+def _diffusers_snippet(output_dir: Path, where: str, family: Any, kind: Optional[str], lora: bool, base: Optional[str]) -> list[str]:
+    """Loading code: DiffusionPipeline picks the base repo's own pipeline class (model_index.json),
+    which is right for every family and task; the transformer class is the student's."""
     pipe = "DiffusionPipeline"
     transformer_cls = None
     if family is not None:
-        try:
-            pipe = family.lora_pipeline_class(kind).__name__
-        except Exception:  # noqa: BLE001 - a family without a LoRA pipeline: the generic loader
-            names = getattr(family, "pipeline_class_names", ())
-            pipe = names[0] if names else pipe
         classes = getattr(family, "transformer_classes", {})
         transformer_cls = classes.get(kind) or (next(iter(classes.values())) if classes else None)
     base_id = base or "<base model>"
     if lora:
-        return [
+        out = [
             "```python",
             "import torch",
             f"from diffusers import {pipe}",
@@ -183,6 +180,10 @@ def _diffusers_snippet(output_dir: Path, where: str, family: Any, kind: Optional
             f'pipe.load_lora_weights("{where}")',
             "```",
         ]
+        others = sorted(p.name for p in output_dir.glob("pytorch_lora_weights_*.safetensors") if "comfyui" not in p.name)
+        if others:  # a second expert's adapter (Wan 2.2 A14B, expert: both)
+            out += ["", "Also here: " + ", ".join(f"`{n}`" for n in others) + " (`weight_name=` of `load_lora_weights`)."]
+        return out
     name = transformer_cls.__name__ if transformer_cls is not None else "AutoModel"
     subs = sorted(p.name for p in output_dir.glob("transformer*") if (p / "config.json").is_file()) or ["transformer"]
     out = ["```python", "import torch", f"from diffusers import {pipe}, {name}", ""]
@@ -226,7 +227,7 @@ def export_card_text(out_dir: Path, *, source: Path, to: str, base: dict, family
         lines.append("ComfyUI LoRA file: copy `pytorch_lora_weights_comfyui.safetensors` into `ComfyUI/models/loras/` "
                      "and apply it to the base model with a *LoraLoaderModelOnly* node.")
     else:
-        lines += _diffusers_snippet(out_dir, where, family, base.get("model_class"), task, lora and to != "merged", init_from)
+        lines += _diffusers_snippet(out_dir, where, family, base.get("model_class"), lora and to != "merged", init_from)
     return "\n".join(lines) + "\n"
 
 
