@@ -1,10 +1,11 @@
-# Quick start: `make demo` (tiny DFSFT run) and `make test` (the whole suite).
+# Quick start: `make demo` (tiny DFSFT run), `make test` (the whole suite) and `make test-fast`
+# (an everyday subset, under a minute).
 # Each creates .venv if absent and installs the package with pinned dependencies.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fv_accel_installed
 
-.PHONY: demo demo-finetune test install clean
+.PHONY: demo demo-finetune test test-fast install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -28,6 +29,13 @@ demo-finetune: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The fast lane: recipe parsing and validation, schedulers, the methods' losses, the data loader,
+# input errors, the model card and Hub push; no multi-process or slow test. CI runs `make test`.
+FAST_TESTS := tests/test_config.py tests/test_schedulers.py tests/test_layering.py tests/test_timestep_range.py \
+	tests/test_methods.py tests/test_loader.py tests/test_bad_input.py tests/test_hub.py
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not multiproc" $(FAST_TESTS)
 
 clean:
 	rm -rf outputs

@@ -50,9 +50,9 @@ FORMAT_VERSION = 2
 # Accelerate's pickled RNG file (accelerate.utils.RNG_STATE_NAME).
 ACCELERATE_RNG_FILE = "random_states_{rank}.pkl"
 PACKAGES = ("fv_accel", "torch", "accelerate", "diffusers", "transformers", "peft", "safetensors", "datasets", "numpy")
-# Recipe sections that say where to write, what to keep and what to log, not what to train:
+# Recipe sections that say where to write, what to keep, what to log and where to upload, not what to train:
 # a new value there is no recipe change.
-RESUME_BOOKKEEPING = ("training.checkpoint.", "training.tracker.")
+RESUME_BOOKKEEPING = ("training.checkpoint.", "training.tracker.", "training.hub.")
 # metadata.json keys a resume reads, with their types.
 REQUIRED_METADATA = {"step": int, "epoch": int, "data": dict, "accelerator_step": int, "config": dict, "math": dict}
 REQUIRED_DATA_POSITION = ("epoch", "step_in_epoch")

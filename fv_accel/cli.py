@@ -20,6 +20,7 @@ def main(method: str, argv: Optional[list[str]] = None) -> int:
         return 0
     from fv_accel.build import build_from_config
     from fv_accel.checkpoint import CheckpointError
+    from fv_accel.hub import PUSH_FAILED_EXIT_CODE, HubPushError
     from fv_accel.trainer import Trainer, TrainingStopped
 
     try:
@@ -41,6 +42,10 @@ def main(method: str, argv: Optional[list[str]] = None) -> int:
         # A fault policy stop, or a checkpoint that could not be written (a full disk): one line.
         sys.stderr.write(f"error: {err}\n")  # one write: lines of several processes stay whole
         code = 1
+    except HubPushError as err:
+        # Trained and written; only the upload (training.hub) failed: one line, its own exit status.
+        sys.stderr.write(f"error: {err}\n")
+        code = PUSH_FAILED_EXIT_CODE
     except Exception:
         if not hard_exit:
             raise

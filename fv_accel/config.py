@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -180,6 +181,17 @@ class TrackerConfig:
 
 
 @dataclass
+class HubConfig:
+    # Upload the output folder (weights, model card, samples, logs, plots; not the checkpoints) to
+    # the Hugging Face Hub at the end of the run (fv_accel/hub.py); repo_id is then required.
+    push_to_hub: bool = False
+    repo_id: Optional[str] = None
+    private: bool = False
+    # A branch of the repo (created if absent); None: main.
+    revision: Optional[str] = None
+
+
+@dataclass
 class TrainingModelConfig:
     weighting_scheme: Literal["uniform", "logit_normal", "mode"] = "uniform"
     logit_mean: float = 0.0
@@ -197,6 +209,7 @@ class TrainingConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     model: TrainingModelConfig = field(default_factory=TrainingModelConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
 
 
 @dataclass
@@ -450,6 +463,11 @@ def validate(cfg: RunConfig, source: str) -> None:
     for name in cfg.training.tracker.trackers:
         if name not in ("tensorboard", "wandb", "none"):
             raise bad("training.tracker.trackers", name, "'tensorboard', 'wandb' or 'none'")
+    hub = cfg.training.hub
+    if hub.push_to_hub and not hub.repo_id:
+        raise bad("training.hub.repo_id", hub.repo_id, "a Hub repo id (user/name) when training.hub.push_to_hub is true")
+    if hub.repo_id is not None and re.fullmatch(r"[\w.-]+/[\w.-]+|[\w.-]+", hub.repo_id) is None:
+        raise bad("training.hub.repo_id", hub.repo_id, "a Hub repo id (user/name)")
     st = cfg.models.student
     if st.flow_shift is not None and st.flow_shift <= 0:
         raise bad("models.student.flow_shift", st.flow_shift, "a number > 0")

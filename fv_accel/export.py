@@ -1,6 +1,7 @@
 """Export trained weights from a run's output folder or one of its checkpoints.
 
     python -m fv_accel.export <checkpoint or output dir> --to diffusers|comfyui|merged [--out DIR] [--base MODEL]
+        [--push_to_hub REPO [--private] [--revision BRANCH]]
 
 - `diffusers`: a LoRA run -> `pytorch_lora_weights.safetensors` (with adapter metadata) for
   `WanPipeline.load_lora_weights(DIR)`; a full run -> `DIR/transformer/` for
@@ -14,6 +15,9 @@ Sources, in the order they are looked for: a LoRA file; a folder with
 `transformer/` (a full run's output); an Accelerate checkpoint of a full run (`model.safetensors`
 + `metadata.json`); an output folder with `checkpoint-<step>/` folders (the latest is used).
 Everything is read and written with safetensors.
+
+`--push_to_hub REPO` then writes a model card (`README.md`) into the export folder and uploads the
+folder (fv_accel/hub.py); a failed upload is one line and exit status 3, the export kept.
 
 Without `--out` the export goes to the run's output folder, never into a checkpoint (which
 `checkpoints_total_limit` deletes with everything in it): `<output_dir>/exports/<checkpoint-N>_<to>`
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from fv_accel.hub import PUSH_FAILED_EXIT_CODE
 from fv_accel.models.lora import BASE_MODEL_FILE, COMFYUI_LORA_FILE, DIFFUSERS_LORA_FILE
 
 TARGETS = ("diffusers", "comfyui", "merged")
@@ -290,6 +295,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     parser.add_argument("--base", default=None, help="base model for --to merged (default: the run's own)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="dtype of a merged export")
+    parser.add_argument(
+        "--push_to_hub", default=None, metavar="REPO",
+        help="then upload the export folder (with a model card, README.md) to the Hub model repo REPO; "
+        f"a failed upload is one line and exit status {PUSH_FAILED_EXIT_CODE}, the export kept",
+    )
+    parser.add_argument("--private", action="store_true", help="with --push_to_hub: create the repo private")
+    parser.add_argument("--revision", default=None, help="with --push_to_hub: the branch to upload to (created if absent)")
     args = parser.parse_args(argv)
     from fv_accel.models.loading import ModelLoadError
 
@@ -299,6 +311,30 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(f"export failed: {err}") from None
     for path in written:
         print(f"wrote {path}")
+    if args.push_to_hub:
+        push_export(args.source, args.to, written[0].parent, args.push_to_hub, private=args.private, revision=args.revision)
+
+
+def push_export(source: str | Path, to: str, out_dir: Path, repo_id: str, *, private: bool = False, revision: Optional[str] = None) -> None:
+    """Write the export's model card into `out_dir` and upload the folder to `repo_id`; a failed
+    upload exits with PUSH_FAILED_EXIT_CODE after one line on stderr (the export stays)."""
+    import sys
+
+    from fv_accel.hub import HubPushError, export_card_text, push_folder, write_model_card
+
+    src = find_source(source)
+    try:
+        family = _family(src.base)
+    except Exception:  # noqa: BLE001 - the card then names the generic pipeline
+        family = None
+    text = export_card_text(out_dir, source=src.path, to=to, base=src.base, family=family, repo_id=repo_id)
+    print(f"model card: {write_model_card(out_dir, text)}")
+    try:
+        url = push_folder(out_dir, repo_id, private=private, revision=revision, commit_message=f"fv_accel export --to {to}")
+    except HubPushError as err:
+        sys.stderr.write(f"error: {err}\n")
+        raise SystemExit(PUSH_FAILED_EXIT_CODE) from None
+    print(f"pushed {out_dir} to the Hub: {url}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ def _final_weight_files() -> tuple[str, ...]:
 
 
 def _run_output_files() -> tuple[str, ...]:
-    return (*_final_weight_files(), LATEST_NAME)
+    from fv_accel.hub import CARD_NAME
+
+    return (*_final_weight_files(), LATEST_NAME, CARD_NAME)  # CARD_NAME: the model card, README.md
 
 
 def run_outputs(output_dir: str | Path) -> list[Path]:

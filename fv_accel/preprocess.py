@@ -552,6 +552,14 @@ def preprocess(
         )
 
     my_shards = [s for s in range(num_shards) if s % world_size == rank]
+    from tqdm.auto import tqdm
+
+    # Rank 0's clips (its shards): clips/s and the ETA on stderr; the other ranks show none.
+    progress = tqdm(
+        total=sum(len(clips[s * shard_size : (s + 1) * shard_size]) for s in my_shards),
+        desc="preprocess" if world_size == 1 else f"preprocess (process 0 of {world_size})",
+        unit="clip", disable=rank != 0, file=sys.stderr, dynamic_ncols=True,
+    )
     for s in my_shards:
         rows: list[dict] = []
         new_keys: list[str] = []
@@ -587,6 +595,7 @@ def preprocess(
                     if row is not None:
                         # The same bytes may sit under another name: the row takes this clip's name.
                         rows.append({**row, "id": clip.name, "file_name": clip.name})
+            progress.update(1)
             if on_clip_done is not None:
                 on_clip_done(clip, status)
         shard = output / f"data-{s:05d}-of-{num_shards:05d}.parquet"
@@ -598,6 +607,7 @@ def preprocess(
         for key in new_keys:
             (pending / f"{key}.parquet").unlink(missing_ok=True)
 
+    progress.close()
     (pending / f"stats-r{rank}.json").write_text(
         json.dumps({"newly_encoded": stats.newly_encoded, "reused": stats.reused, "encode_seconds": stats.encode_seconds, "skipped": stats.skipped})
     )

@@ -347,8 +347,66 @@ class Trainer:
                 written = write_plots(self.output_dir)
                 if written:
                     print(f"plots: {', '.join(str(p) for p in written)}", flush=True)
+                    self._log_plot_images(written)
             except Exception as err:  # noqa: BLE001 - a plotting problem must not fail a finished run
                 logger.warning("could not write the plots: %s: %s", type(err).__name__, err)
+
+    def _log_plot_images(self, paths: list) -> None:
+        """The end-of-run plots (PNG) to the trackers as images `plots/<name>` at the last step:
+        W&B as wandb.Image, TensorBoard as an image summary."""
+        for tracker in getattr(self.accelerator, "trackers", []):
+            if tracker.name == "wandb":
+                import wandb
+
+                tracker.run.log({f"plots/{Path(p).stem}": wandb.Image(str(p)) for p in paths}, step=self.step)
+            elif tracker.name == "tensorboard":
+                import numpy as np
+                from PIL import Image
+
+                for p in paths:
+                    with Image.open(p) as image:
+                        pixels = np.asarray(image.convert("RGB"))
+                    tracker.writer.add_image(f"plots/{Path(p).stem}", pixels, self.step, dataformats="HWC")
+                tracker.writer.flush()
+
+    def _write_model_card(self, summary: dict) -> None:
+        """`<output_dir>/README.md`, the run's model card (fv_accel/hub.py), once the weights,
+        samples, logs and plots are written (main process)."""
+        from fv_accel.hub import card_text, write_model_card
+
+        student = self.method.student
+        try:
+            counter = getattr(self.dataloader, "num_training_rows", None)
+            data_size = counter() if counter is not None else None
+            text = card_text(
+                self.output_dir,
+                self.config,
+                family=type(student),
+                kind=getattr(student, "kind", None),
+                task=getattr(student, "task", None),
+                shift=student.describe_training_shift() if hasattr(student, "describe_training_shift") else None,
+                data_size=data_size,
+                steps=self.step,
+                repo_id=self.config.training.hub.repo_id if self.config.training.hub.push_to_hub else None,
+                summary=summary,
+            )
+            print(f"model card: {write_model_card(self.output_dir, text)}", flush=True)
+        except Exception as err:  # noqa: BLE001 - a card problem must not fail a finished run
+            logger.warning("could not write the model card: %s: %s", type(err).__name__, err)
+
+    def _push_to_hub(self) -> None:
+        """Upload the output folder (training.hub), main process only, after the trackers have
+        flushed their files; a failure is a HubPushError of one line (the outputs stay on disk)."""
+        hub = self.config.training.hub
+        if not hub.push_to_hub or not self.accelerator.is_main_process:
+            return
+        from fv_accel.hub import push_folder
+
+        url = push_folder(
+            self.output_dir, hub.repo_id, private=hub.private, revision=hub.revision,
+            commit_message=f"fv_accel: {self.config.method.name} run {self.config.training.tracker.run_name}, step {self.step}",
+        )
+        print(f"pushed {self.output_dir} to the Hub: {url}", flush=True)
 
     def _write_final_outputs(self, student: Any, save_final: bool) -> None:
         """The callbacks' end of training (the EMA's `ema/` export) and the trained weights
@@ -368,7 +426,9 @@ class Trainer:
             raise
 
     def run(self) -> dict:
-        """Train to `max_train_steps`; a SIGTERM/SIGINT stops at the next step boundary with a checkpoint."""
+        """Train to `max_train_steps`; a SIGTERM/SIGINT stops at the next step boundary with a checkpoint.
+        A completed run then uploads its output folder if `training.hub.push_to_hub` (main process;
+        a HubPushError of one line if the upload fails, everything still on disk)."""
         previous_handlers = self._install_signal_handlers()
         try:
             try:
@@ -382,6 +442,8 @@ class Trainer:
                 self._end_training(crashed=True)
                 raise
             self._end_training(crashed=False)
+            if summary.get("stopped_by") is None:
+                self._push_to_hub()  # raises HubPushError (one line) if the upload fails
             return summary
         finally:
             self._restore_signal_handlers(previous_handlers)
@@ -613,6 +675,8 @@ class Trainer:
             summary.update(cb.summary())
         if acc.is_main_process:
             self._write_summary(summary, plots=stopped_by is None and cfg.training.tracker.write_plots)
+            if stopped_by is None:
+                self._write_model_card(summary)
         if acc.is_main_process and stopped_by is None:
             logger.info("run summary: %s", summary)
             print(

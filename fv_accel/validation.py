@@ -381,9 +381,16 @@ class HeldoutLossCallback(TrainerCallback):
         per_rank = math.ceil(len(self.rows) / world)
         sums: Optional[torch.Tensor] = None
         keys: list[str] = []
+        from tqdm.auto import tqdm
+
+        # The main process's share of the clips, under the training bar (leave=False: gone when done).
+        slots = tqdm(
+            range(rank, per_rank * world, world), desc="held-out", unit="clip", leave=False,
+            disable=not acc.is_local_main_process, dynamic_ncols=True,
+        )
         with evaluation_mode(trainer) as student:
             device = acc.device
-            for slot in range(rank, per_rank * world, world):
+            for slot in slots:
                 real = slot < len(self.rows)
                 row = self.rows[slot] if real else self.rows[0]
                 batch = collate_one(self.dataset[(row, 0, 0)])

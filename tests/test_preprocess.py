@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -346,3 +347,12 @@ def test_two_processes_shard_the_clips_into_one_dataset(five_clips, tiny_model_d
     assert proc.stdout.strip().splitlines()[-1] == "encoded 5, skipped 0 (see skipped.jsonl)"
     assert [f.name for f in sorted((tmp_path / "two").glob("data-*"))] == [f"data-{i:05d}-of-00005.parquet" for i in range(5)]
     assert _rows(tmp_path / "two") == _rows(tmp_path / "one")
+
+
+def test_preprocessing_shows_a_progress_bar(encoder, tmp_path, capsys):
+    for k in range(8):
+        _write_clip(tmp_path / "clips", f"{k}.mp4", k, 5)
+    res = preprocess("tiny", str(tmp_path / "clips"), tmp_path / "out", FrameSampling(num_frames=(5,)), encoder=encoder, device=CPU)
+    assert res.newly_encoded == 8
+    bar = capsys.readouterr().err.split("\r")[-1]  # the bar's last state: count, elapsed<ETA, rate
+    assert re.search(r"preprocess: 100%.*\| 8/8 \[\d\d:\d\d<00:00, +[\d.]+(clip/s|s/clip)\]", bar), bar

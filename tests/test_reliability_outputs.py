@@ -170,7 +170,7 @@ def test_a_second_run_into_a_finished_runs_folder_is_refused_unless_overwrite(tm
     before = snapshot(out)
     expected = (
         f"training.checkpoint.output_dir: '{out}' already holds the outputs of another run (transformer/, ema/, "
-        "logs/metrics.jsonl, plots/) and no checkpoint to resume; choose a new output_dir, or set "
+        "logs/metrics.jsonl, plots/, README.md) and no checkpoint to resume; choose a new output_dir, or set "
         "training.checkpoint.overwrite_output_dir: true to replace them"
     )
     for extra in ({}, {"training.checkpoint.resume_from_checkpoint": "latest"}):

@@ -4,6 +4,7 @@ noise level, and the guarantee that neither changes training."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +86,7 @@ def metrics_rows(out: Path) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 
-def test_sft_run_writes_videos_tensorboard_scalars_and_plots(tmp_path):
+def test_sft_run_writes_videos_tensorboard_scalars_and_plots(tmp_path, capsys):
     from fv_accel.trainer import Trainer
 
     prompt_file = tmp_path / "prompts.jsonl"
@@ -120,6 +121,7 @@ def test_sft_run_writes_videos_tensorboard_scalars_and_plots(tmp_path):
         assert key in scalars, key
     assert set(scalars["heldout/loss"]) == {2}
     assert {"validation/wide", "validation/00-a-white-square-moving-up-on-a-light-back"} <= images
+    assert {"plots/heldout_loss", "plots/loss", "plots/throughput"} <= images  # the end-of-run plots
 
     rows = metrics_rows(out)
     heldout = [r for r in rows if "heldout/loss" in r]
@@ -133,6 +135,11 @@ def test_sft_run_writes_videos_tensorboard_scalars_and_plots(tmp_path):
     assert saved["best_heldout_loss"] == summary["best_heldout_loss"]
     plots = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert plots == ["heldout_loss.png", "loss.png", "throughput.png"]
+    # The held-out evaluation's progress bar (2 held-out clips) and the model card with its figure.
+    assert re.search(r"held-out: 100%.*\| 2/2 \[", capsys.readouterr().err)
+    card = (out / "README.md").read_text()
+    assert "![Held-out loss](plots/heldout_loss.png)" in card and '<video src="samples/step-2/wide.mp4"' in card
+    assert "(6 training clips)" in card  # the tiny dataset's 8 less the 2 held out
 
 
 def test_dfsft_run_samples_chunk_by_chunk(tmp_path):

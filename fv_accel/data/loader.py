@@ -444,6 +444,10 @@ class TrainLoader:
         self.off_shape_indices: list[int] = []
         self._consumed = LoaderPosition(sampler.position.epoch, sampler.position.step_in_epoch)
 
+    def num_training_rows(self) -> int:
+        """Rows training draws from: the dataset's, less the held-out and off-shape ones."""
+        return len(self.dataset) - len(self.sampler.exclude_indices)
+
     def __iter__(self) -> Iterator[dict]:
         # A new pass starts after the last finished step (prefetched batches are not "consumed").
         self.sampler.position = LoaderPosition(self._consumed.epoch, self._consumed.step_in_epoch)

@@ -1,0 +1,279 @@
+"""A run's model card (`<output_dir>/README.md`) and its upload to the Hugging Face Hub.
+
+The card is written by the main process at the end of every completed run (fv_accel/trainer.py),
+after the weights, samples, logs and plots are on disk; `huggingface_hub.ModelCard.load` parses it.
+With `training.hub.push_to_hub` the output folder is then uploaded (`create_repo` + `upload_folder`,
+main process only). A failed upload is one line naming the repo and the folder the outputs stay in;
+the entry scripts then exit with PUSH_FAILED_EXIT_CODE (fv_accel/cli.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+CARD_NAME = "README.md"
+# Exit status of a run (or an export) that finished and wrote its outputs but could not push them:
+# distinct from 1 (training stopped) and 2 (input error), so a job script can retry the push alone
+# (`python -m fv_accel.export <output_dir> --to diffusers --push_to_hub REPO`).
+PUSH_FAILED_EXIT_CODE = 3
+# Never uploaded: resumable training state (large, DeepSpeed's are pickles), the run's lock, exports.
+PUSH_IGNORE = ["checkpoint-*", "checkpoint-*/**", ".fv_accel.lock", "exports/**", "**/__pycache__/**"]
+
+METHOD_TEXT = {
+    "finetune": "full-sequence flow-matching fine-tuning (FastVideo's finetune method)",
+    "dfsft": "diffusion-forcing SFT (FastVideo's DiffusionForcingSFTMethod): one noise level per chunk of latent frames",
+    "tfsft": "teacher-forcing SFT: clean context chunks, one noised chunk",
+}
+METHOD_TAGS = {"finetune": ["fine-tuning"], "dfsft": ["diffusion-forcing"], "tfsft": ["teacher-forcing"]}
+PIPELINE_TAGS = {"t2v": "text-to-video", "i2v": "image-to-video"}
+
+
+class HubPushError(RuntimeError):
+    """A push that did not happen; the message is one line naming the repo and the kept outputs."""
+
+
+def _is_hub_id(name: Optional[str]) -> bool:
+    """A Hub repo id ("org/name"), not a local folder."""
+    return bool(name) and not Path(name).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
+
+
+def _last_samples(output_dir: Path) -> tuple[Optional[int], list[Path]]:
+    folders = []
+    for p in (output_dir / "samples").glob("step-*"):
+        if p.is_dir() and p.name[5:].isdigit():
+            folders.append((int(p.name[5:]), p))
+    if not folders:
+        return None, []
+    step, folder = max(folders)
+    return step, sorted(f for f in folder.iterdir() if f.suffix in (".mp4", ".gif", ".png", ".webp"))
+
+
+def card_text(
+    output_dir: Path,
+    cfg: Any,
+    *,
+    family: Any = None,
+    kind: Optional[str] = None,
+    task: Optional[str] = None,
+    shift: Any = None,
+    data_size: Optional[int] = None,
+    steps: Optional[int] = None,
+    repo_id: Optional[str] = None,
+    summary: Optional[dict] = None,
+) -> str:
+    """The model card of the run in `output_dir` (front matter + body), from its recipe `cfg`.
+
+    `family` is the student's family class (its pipeline and ComfyUI support), `kind` its
+    model_class, `task` "t2v"/"i2v", `shift` the training shift it used, `data_size` the number of
+    training clips (held-out ones left out), `steps` the final step; `repo_id` is what the loading snippets load (else the folder).
+    """
+    import yaml
+
+    output_dir = Path(output_dir)
+    st = cfg.models.student
+    method = cfg.method.name
+    lora = bool(st.lora.enable)
+    task = task if task in PIPELINE_TAGS else "t2v"
+    base = st.init_from if _is_hub_id(st.init_from) else None
+    tags = ["fv_accel", "diffusers", "video-generation", PIPELINE_TAGS[task], method, *METHOD_TAGS.get(method, [])]
+    if lora:
+        tags.append("lora")
+    if family is not None and getattr(family, "family", ""):
+        tags.append(family.family)
+    meta: dict[str, Any] = {}
+    if base:
+        meta["base_model"] = base
+    meta.update(library_name="diffusers", pipeline_tag=PIPELINE_TAGS[task], tags=tags)
+    front = yaml.safe_dump(meta, sort_keys=False).strip()
+
+    where = repo_id or str(output_dir.resolve())
+    title = repo_id or cfg.training.tracker.run_name
+    lines = [f"---\n{front}\n---", "", f"# {title}", ""]
+    base_text = f"`{st.init_from}`" if st.init_from else "a transformer built from the recipe's inline `transformer_config` (randomly initialised, fv_accel's tiny model)"
+    lines += [
+        f"A {'LoRA' if lora else 'full'} fine-tune of {base_text} trained with "
+        "fv_accel (FastVideo's training methods on diffusers + Accelerate).",
+        "",
+        "## Training",
+        "",
+        f"- method: `{method}`, {METHOD_TEXT.get(method, method)}",
+    ]
+    if method in ("dfsft", "tfsft"):
+        lines.append(f"- chunk size: {cfg.method.chunk_size} latent frames")
+    lines.append(f"- timestep range: {cfg.method.min_timestep_ratio} to {cfg.method.max_timestep_ratio} of the schedule")
+    shift_text = shift if shift is not None else (st.flow_shift if st.flow_shift is not None else "the family's default")
+    lines.append(f"- training shift: {json.dumps(shift_text) if isinstance(shift_text, dict) else shift_text}")
+    if st.causal:
+        lines.append(f"- block-causal self-attention (local window {st.local_attn_size}, sink {st.sink_size}); recorded in the transformer's config.json")
+    if lora:
+        lines.append(f"- LoRA: rank {st.lora.rank}, alpha {st.lora.alpha}, init `{st.lora.init}`")
+    opt, loop, data = cfg.training.optimizer, cfg.training.loop, cfg.training.data
+    lines.append(f"- steps: {steps if steps is not None else loop.max_train_steps}, batch size {data.train_batch_size} per process x "
+                 f"{loop.gradient_accumulation_steps} accumulation step(s)")
+    lines.append(f"- learning rate {opt.learning_rate:g} ({opt.lr_scheduler}, {opt.lr_warmup_steps} warmup steps), weight decay {opt.weight_decay:g}")
+    size = f"{data_size} training clips" if data_size is not None else "unknown size"
+    lines.append(f"- data: `{data.data_path}` ({size})")
+    if summary:
+        first, last = summary.get("first_loss"), summary.get("last_loss")
+        if isinstance(first, float) and isinstance(last, float):
+            lines.append(f"- training loss {first:.4f} at the first step, {last:.4f} at the last")
+        if summary.get("best_heldout_loss") is not None:
+            lines.append(f"- best held-out loss {summary['best_heldout_loss']:.4f} at step {summary.get('best_heldout_step')}")
+
+    lines += ["", "## Use it with diffusers", ""]
+    lines += _diffusers_snippet(output_dir, where, family, kind, lora, base or st.init_from)
+    if (output_dir / "pytorch_lora_weights_comfyui.safetensors").is_file():
+        lines += [
+            "",
+            "## Use it with ComfyUI",
+            "",
+            "Copy `pytorch_lora_weights_comfyui.safetensors` (keys in ComfyUI's `diffusion_model.` layout) into "
+            "`ComfyUI/models/loras/` and apply it to the base model with a *LoraLoaderModelOnly* node.",
+        ]
+
+    step, videos = _last_samples(output_dir)
+    prompts = list(cfg.callbacks.validation.prompts or []) if cfg.callbacks.validation.enable else []
+    if prompts or videos:
+        lines += ["", "## Samples", ""]
+        if prompts:
+            lines.append("Prompts:")
+            lines += [f"- {p}" for p in prompts]
+            lines.append("")
+        if videos:
+            lines.append(f"At step {step}:")
+            lines.append("")
+            for v in videos:
+                rel = v.relative_to(output_dir).as_posix()
+                if v.suffix == ".mp4":
+                    lines.append(f'<video src="{rel}" controls loop muted></video>')
+                else:
+                    lines.append(f"![{v.stem}]({rel})")
+    figures = [(n, t) for n, t in (("heldout_loss.png", "Held-out loss"), ("loss.png", "Training loss")) if (output_dir / "plots" / n).is_file()]
+    if figures:
+        lines += ["", "## Curves", ""]
+        lines += [f"![{t}](plots/{n})" for n, t in figures]
+    return "\n".join(lines) + "\n"
+
+
+def _diffusers_snippet(output_dir: Path, where: str, family: Any, kind: Optional[str], lora: bool, base: Optional[str]) -> list[str]:
+    """Loading code: DiffusionPipeline picks the base repo's own pipeline class (model_index.json),
+    which is right for every family and task; the transformer class is the student's."""
+    pipe = "DiffusionPipeline"
+    transformer_cls = None
+    if family is not None:
+        classes = getattr(family, "transformer_classes", {})
+        transformer_cls = classes.get(kind) or (next(iter(classes.values())) if classes else None)
+    base_id = base or "<base model>"
+    if lora:
+        out = [
+            "```python",
+            "import torch",
+            f"from diffusers import {pipe}",
+            "",
+            f'pipe = {pipe}.from_pretrained("{base_id}", torch_dtype=torch.bfloat16)',
+            f'pipe.load_lora_weights("{where}")',
+            "```",
+        ]
+        others = sorted(p.name for p in output_dir.glob("pytorch_lora_weights_*.safetensors") if "comfyui" not in p.name)
+        if others:  # a second expert's adapter (Wan 2.2 A14B, expert: both)
+            out += ["", "Also here: " + ", ".join(f"`{n}`" for n in others) + " (`weight_name=` of `load_lora_weights`)."]
+        return out
+    name = transformer_cls.__name__ if transformer_cls is not None else "AutoModel"
+    subs = sorted(p.name for p in output_dir.glob("transformer*") if (p / "config.json").is_file()) or ["transformer"]
+    out = ["```python", "import torch", f"from diffusers import {pipe}, {name}", ""]
+    for i, sub in enumerate(subs):
+        var = "transformer" if i == 0 else f"transformer_{i + 1}"
+        out.append(f'{var} = {name}.from_pretrained("{where}", subfolder="{sub}", torch_dtype=torch.bfloat16)')
+    if base:
+        args = ", ".join(("transformer" if i == 0 else f"transformer_{i + 1}") + "=" + ("transformer" if i == 0 else f"transformer_{i + 1}") for i in range(len(subs)))
+        out.append(f'pipe = {pipe}.from_pretrained("{base_id}", {args}, torch_dtype=torch.bfloat16)')
+    out.append("```")
+    if not base:
+        out.append("")
+        out.append("The base was built from an inline config: the transformer loads on its own; pair it with the "
+                   "VAE and text encoder it was trained with.")
+    if (output_dir / "ema" / "transformer" / "config.json").is_file():
+        out.append("")
+        out.append('EMA weights: `subfolder="ema/transformer"`.')
+    return out
+
+
+def export_card_text(out_dir: Path, *, source: Path, to: str, base: dict, family: Any, repo_id: Optional[str]) -> str:
+    """The model card of an export folder (`python -m fv_accel.export ... --push_to_hub`): what
+    it holds, where it came from and how to load it; `base` is the run's base_model.json fields."""
+    import yaml
+
+    out_dir = Path(out_dir)
+    lora = (out_dir / "pytorch_lora_weights.safetensors").is_file() or (out_dir / "pytorch_lora_weights_comfyui.safetensors").is_file()
+    init_from = base.get("init_from")
+    task = base.get("task") if base.get("task") in PIPELINE_TAGS else "t2v"
+    tags = ["fv_accel", "diffusers", "video-generation", PIPELINE_TAGS[task]] + (["lora"] if lora else [])
+    if family is not None and getattr(family, "family", ""):
+        tags.append(family.family)
+    meta: dict[str, Any] = {"base_model": init_from} if _is_hub_id(init_from) else {}
+    meta.update(library_name="diffusers", pipeline_tag=PIPELINE_TAGS[task], tags=tags)
+    where = repo_id or str(out_dir.resolve())
+    lines = [f"---\n{yaml.safe_dump(meta, sort_keys=False).strip()}\n---", "", f"# {repo_id or out_dir.name}", ""]
+    lines.append(f"`--to {to}` export of the fv_accel run output `{Path(source).name}` "
+                 f"({'LoRA' if lora else 'full transformer'}; base `{init_from or 'inline transformer_config'}`).")
+    lines += ["", "## Use it with diffusers", ""]
+    if to == "comfyui":
+        lines.append("ComfyUI LoRA file: copy `pytorch_lora_weights_comfyui.safetensors` into `ComfyUI/models/loras/` "
+                     "and apply it to the base model with a *LoraLoaderModelOnly* node.")
+    else:
+        lines += _diffusers_snippet(out_dir, where, family, base.get("model_class"), lora and to != "merged", init_from)
+    return "\n".join(lines) + "\n"
+
+
+def write_model_card(output_dir: Path, text: str) -> Path:
+    """Write `text` as `<output_dir>/README.md`, checking that huggingface_hub parses it."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard(text)  # parses the front matter (raises on a malformed one)
+    path = Path(output_dir) / CARD_NAME
+    path.write_text(str(card), encoding="utf-8")
+    return path
+
+
+def push_folder(
+    folder: Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: Optional[str] = None,
+    commit_message: Optional[str] = None,
+    token: Optional[str] = None,
+) -> str:
+    """Upload `folder` (checkpoints, the lock and exports left out) to the model repo `repo_id`,
+    creating it (and the branch `revision`) if absent; the commit's URL. Any failure is a
+    HubPushError of one line."""
+    folder = Path(folder)
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)
+        if revision:
+            api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(folder),
+            repo_type="model",
+            revision=revision,
+            ignore_patterns=PUSH_IGNORE,
+            commit_message=commit_message or f"fv_accel: upload {folder.name}",
+        )
+    except Exception as err:  # noqa: BLE001 - every failure (offline, auth, network) is reported the same way
+        text = " ".join(str(err).split()) or "no message"
+        if len(text) > 300:
+            text = text[:297] + "..."
+        raise HubPushError(
+            f"push to the Hub failed: repo {repo_id}: {type(err).__name__}: {text}; the outputs are kept at {folder}"
+        ) from None
+    return str(getattr(info, "commit_url", info))
