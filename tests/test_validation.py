@@ -135,8 +135,9 @@ def test_sft_run_writes_videos_tensorboard_scalars_and_plots(tmp_path, capsys):
     assert saved["best_heldout_loss"] == summary["best_heldout_loss"]
     plots = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert plots == ["heldout_loss.png", "loss.png", "throughput.png"]
-    # The held-out evaluation's progress bar (2 held-out clips) and the model card with its figure.
-    assert re.search(r"held-out: 100%.*\| 2/2 \[", capsys.readouterr().err)
+    # The held-out evaluation's progress bar over the 2 held-out clips (drawn when it starts; how many
+    # updates are drawn before it is cleared depends on the machine's speed) and the model card.
+    assert re.search(r"held-out: +\d+%.*\| [0-2]/2 \[", capsys.readouterr().err)
     card = (out / "README.md").read_text()
     assert "![Held-out loss](plots/heldout_loss.png)" in card and '<video src="samples/step-2/wide.mp4"' in card
     assert "(6 training clips)" in card  # the tiny dataset's 8 less the 2 held out
