@@ -21,13 +21,12 @@ installable here, so the stock pipeline is loaded with
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from fv_accel.tiny.model import TinyModel, build_tiny_tokenizer, build_tiny_vae, measure_latent_stats
+from fv_accel.tiny.model import TinyModel, build_tiny_text_encoder, build_tiny_tokenizer, build_tiny_vae, measure_latent_stats, save_tiny_pipeline
 
 TINY_COSMOS2_TEXT_DIM = 32
 TINY_COSMOS2_TRANSFORMER_CONFIG = dict(
@@ -51,25 +50,6 @@ SUMMARY = (
 )
 
 
-def build_tiny_t5_encoder(vocab_size: int, seed: int):
-    from transformers import T5Config, T5EncoderModel
-
-    torch.manual_seed(seed)
-    config = T5Config(
-        vocab_size=vocab_size,
-        d_model=TINY_COSMOS2_TEXT_DIM,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
-    return T5EncoderModel(config).eval()
-
-
 class _NoSafetyChecker:
     """Given to the pipeline's constructor only to stop it building cosmos_guardrail's checker;
     unregistered (None) before the folder is written."""
@@ -86,7 +66,7 @@ def write_tiny_cosmos2(out_dir: str | Path, seed: int = 0, latents_stats: Option
 
     out = Path(out_dir)
     tokenizer = build_tiny_tokenizer()
-    text_encoder = build_tiny_t5_encoder(len(tokenizer), seed + 1)
+    text_encoder = build_tiny_text_encoder(len(tokenizer), seed + 1, t5=True, d_model=TINY_COSMOS2_TEXT_DIM)
     vae = build_tiny_vae(seed + 2, "wan2.1")
     if latents_stats is None:
         latents_stats = measure_latent_stats(vae)
@@ -104,24 +84,7 @@ def write_tiny_cosmos2(out_dir: str | Path, seed: int = 0, latents_stats: Option
     # An optional component registered as None is left out of the folder and recorded as
     # [null, null] in model_index.json.
     pipeline.register_modules(safety_checker=None)
-    partial = out.parent / f".{out.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    pipeline.save_pretrained(partial, safe_serialization=True)
-    index_path = partial / "model_index.json"
-    index = json.loads(index_path.read_text())
-    # transformers 5 records "TokenizersBackend"; the public name loads the same class.
-    index["tokenizer"] = ["transformers", "PreTrainedTokenizerFast"]
-    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    # Moved in with model_index.json last: a folder holding model_index.json is complete.
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "model_index.json").unlink(missing_ok=True)
-    for child in sorted(partial.iterdir(), key=lambda p: p.name == "model_index.json"):
-        target = out / child.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        child.replace(target)
-    partial.rmdir()
-    return out
+    return save_tiny_pipeline(pipeline, out, {"tokenizer": ["transformers", "PreTrainedTokenizerFast"]})
 
 
 # `python -m fv_accel.tiny_model DIR --model cosmos2` (fv_accel.tiny.registry).

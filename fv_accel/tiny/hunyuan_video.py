@@ -21,15 +21,13 @@ runs on it with its own defaults:
 from __future__ import annotations
 
 import functools
-import json
 import re
-import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from fv_accel.tiny.model import TINY_VOCAB_WORDS, TinyModel
+from fv_accel.tiny.model import TINY_VOCAB_WORDS, TinyModel, save_tiny_pipeline
 
 TINY_HUNYUAN_LAYOUT = "hunyuanvideo-community/HunyuanVideo"
 TINY_LLAMA_DIM = 32
@@ -290,24 +288,7 @@ def write_tiny_hunyuan_video(out_dir: str | Path, seed: int = 0) -> Path:
         text_encoder_2=text_encoder_2,
         tokenizer_2=tokenizer_2,
     )
-    partial = out.parent / f".{out.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    pipeline.save_pretrained(partial, safe_serialization=True)
-    # The real repo's names: transformers 5 records the class it built (LlamaTokenizer), an alias.
-    index_path = partial / "model_index.json"
-    index = json.loads(index_path.read_text())
-    index["tokenizer"] = ["transformers", "LlamaTokenizerFast"]
-    index["tokenizer_2"] = ["transformers", "CLIPTokenizer"]
-    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "model_index.json").unlink(missing_ok=True)
-    for child in sorted(partial.iterdir(), key=lambda p: p.name == "model_index.json"):
-        target = out / child.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        child.replace(target)
-    partial.rmdir()
-    return out
+    return save_tiny_pipeline(pipeline, out, {"tokenizer": ["transformers", "LlamaTokenizerFast"], "tokenizer_2": ["transformers", "CLIPTokenizer"]})
 
 
 # `python -m fv_accel.tiny_model DIR --model hunyuan_video` (fv_accel.tiny.registry)

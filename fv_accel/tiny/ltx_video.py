@@ -14,13 +14,11 @@ with `base_shift`/`max_shift` over `base_image_seq_len`..`max_image_seq_len` tok
 from __future__ import annotations
 
 import functools
-import json
-import shutil
 from pathlib import Path
 
 import torch
 
-from fv_accel.tiny.model import TinyModel
+from fv_accel.tiny.model import TinyModel, build_tiny_text_encoder, save_tiny_pipeline
 
 # Lightricks/LTX-Video scheduler/scheduler_config.json (0.9.x): the keys LTXPipeline reads for `mu`
 # and the terminal stretch of its sampling sigmas.
@@ -73,27 +71,6 @@ TINY_LTX_TRANSFORMER_CONFIG = dict(
 )
 
 
-def build_tiny_t5(vocab_size: int, seed: int):
-    """A T5 v1.1-style encoder (gated GELU feed-forward), as LTX-Video's T5-XXL at toy size."""
-    from transformers import T5Config, T5EncoderModel
-
-    torch.manual_seed(seed)
-    config = T5Config(
-        vocab_size=vocab_size,
-        d_model=TINY_LTX_TEXT_DIM,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        feed_forward_proj="gated-gelu",
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
-    return T5EncoderModel(config).eval()
-
-
 def build_tiny_ltx_vae(seed: int):
     from diffusers import AutoencoderKLLTXVideo
 
@@ -130,7 +107,8 @@ def write_tiny_ltx_video(out_dir: str | Path, seed: int = 0) -> Path:
 
     out = Path(out_dir)
     tokenizer = build_tiny_tokenizer()
-    text_encoder = build_tiny_t5(len(tokenizer), seed + 1)
+    # A T5 v1.1-style encoder (gated GELU feed-forward), as LTX-Video's T5-XXL at toy size.
+    text_encoder = build_tiny_text_encoder(len(tokenizer), seed + 1, t5=True, d_model=TINY_LTX_TEXT_DIM, feed_forward_proj="gated-gelu")
     vae = build_tiny_ltx_vae(seed + 2)
     mean, std = tiny_ltx_latent_stats(seed + 2)
     # LTX keeps its statistics as persistent buffers (saved in the safetensors file), not in the config.
@@ -142,25 +120,7 @@ def write_tiny_ltx_video(out_dir: str | Path, seed: int = 0) -> Path:
     pipeline = LTXPipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
-    # Written beside `out` and moved in with model_index.json last: a folder holding
-    # model_index.json is complete.
-    partial = out.parent / f".{out.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    pipeline.save_pretrained(partial, safe_serialization=True)
-    index_path = partial / "model_index.json"
-    index = json.loads(index_path.read_text())
-    # transformers 5 records the class it built ("TokenizersBackend"); the public name loads it anywhere.
-    index["tokenizer"] = ["transformers", "PreTrainedTokenizerFast"]
-    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "model_index.json").unlink(missing_ok=True)
-    for child in sorted(partial.iterdir(), key=lambda p: p.name == "model_index.json"):
-        target = out / child.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        child.replace(target)
-    partial.rmdir()
-    return out
+    return save_tiny_pipeline(pipeline, out, {"tokenizer": ["transformers", "PreTrainedTokenizerFast"]})
 
 
 # `python -m fv_accel.tiny_model DIR --model ltx_video` (fv_accel.tiny.registry collects these).

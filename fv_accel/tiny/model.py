@@ -191,23 +191,31 @@ def build_tiny_tokenizer():
     )
 
 
-def build_tiny_text_encoder(vocab_size: int, seed: int):
-    from transformers import UMT5Config, UMT5EncoderModel
+def build_tiny_text_encoder(vocab_size: int, seed: int, *, t5: bool = False, **config_overrides):
+    """A seeded tiny T5-family text encoder: UMT5 (Wan's), or with `t5` a T5EncoderModel (LTX-Video,
+    Cosmos); `config_overrides` change its config (e.g. feed_forward_proj="gated-gelu", T5 v1.1)."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
-    config = UMT5Config(
-        vocab_size=vocab_size,
-        d_model=TINY_TEXT_DIM,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
+    config_class, model_class = (T5Config, T5EncoderModel) if t5 else (UMT5Config, UMT5EncoderModel)
+    config = config_class(
+        **{
+            **dict(
+                vocab_size=vocab_size,
+                d_model=TINY_TEXT_DIM,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                pad_token_id=0,
+                eos_token_id=1,
+                decoder_start_token_id=0,
+            ),
+            **config_overrides,
+        }
     )
-    return UMT5EncoderModel(config).eval()
+    return model_class(config).eval()
 
 
 def build_tiny_vae(seed: int, kind: str = "wan2.1"):
@@ -276,11 +284,12 @@ def write_tiny_variant(out_dir: str | Path, name: str = DEFAULT_TINY_MODEL, seed
     return save_tiny_pipeline(pipeline, out)
 
 
-def save_tiny_pipeline(pipeline, out_dir: str | Path) -> Path:
+def save_tiny_pipeline(pipeline, out_dir: str | Path, index_classes: Optional[dict] = None) -> Path:
     """`pipeline.save_pretrained` into `out_dir`, atomically: written beside `out_dir` first and moved
     in with model_index.json last, so a folder holding model_index.json is complete (the tiny
     dataset's cache relies on it). Tokenizer and image-processor entries of model_index.json get
-    the public class names that load under any transformers version."""
+    the public class names that load under any transformers version; `index_classes` (component ->
+    [library, class]) sets the names a real repo records, over those."""
     out = Path(out_dir)
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
@@ -294,6 +303,7 @@ def save_tiny_pipeline(pipeline, out_dir: str | Path) -> Path:
             index[key] = ["transformers", "PreTrainedTokenizerFast"]
     if index.get("image_processor", [None])[0] is not None:
         index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+    index.update(index_classes or {})
     index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     out.mkdir(parents=True, exist_ok=True)
     (out / "model_index.json").unlink(missing_ok=True)
