@@ -202,51 +202,32 @@ COSMOS2_TOP_MODULES = {
 
 def cosmos2_original_module_name(module: str) -> str:
     """diffusers module name -> the original Cosmos-Predict2 name (ComfyUI's layout)."""
-    parts = module.split(".")
-    if parts[0] == "transformer_blocks" and len(parts) > 2:
-        inner = ".".join(parts[2:])
-        if inner in COSMOS2_BLOCK_MODULES:
-            return f"blocks.{parts[1]}.{COSMOS2_BLOCK_MODULES[inner]}"
-    elif module in COSMOS2_TOP_MODULES:
-        return COSMOS2_TOP_MODULES[module]
-    raise ValueError(
-        f"LoRA on module '{module}' has no original Cosmos-Predict2 (ComfyUI) name; supported: the attention "
-        "projections, the MLP, the AdaLN modulation layers, the patch and time embedders and the final layer"
+    from fv_accel.models.lora import original_module_name
+
+    return original_module_name(
+        module,
+        blocks="transformer_blocks",
+        original_blocks="blocks",
+        block_modules=COSMOS2_BLOCK_MODULES,
+        top_modules=COSMOS2_TOP_MODULES,
+        naming="original Cosmos-Predict2 (ComfyUI)",
+        supported="the attention projections, the MLP, the AdaLN modulation layers, the patch and time embedders and the final layer",
     )
-
-
-def load_t5(model: str, *, revision: Optional[str] = None, torch_dtype: torch.dtype = torch.float32):
-    """(tokenizer, T5EncoderModel) of a Cosmos-Predict2 repo, found like the transformer."""
-    from transformers import AutoTokenizer, T5EncoderModel
-
-    from fv_accel.models.loading import explain_load_error, fetch_config
-
-    fetch_config(model, "text_encoder", revision=revision, required=True)
-    try:
-        encoder = T5EncoderModel.from_pretrained(
-            model, subfolder="text_encoder", revision=revision, dtype=torch_dtype, use_safetensors=True
-        )
-    except (OSError, ValueError) as err:
-        raise explain_load_error(model, "text encoder (subfolder 'text_encoder')", err, revision=revision) from None
-    try:
-        # The encoder's config spares AutoTokenizer a lookup of tokenizer/config.json (absent offline).
-        tokenizer = AutoTokenizer.from_pretrained(model, subfolder="tokenizer", revision=revision, config=encoder.config)
-    except (OSError, ValueError) as err:
-        raise explain_load_error(model, "tokenizer (subfolder 'tokenizer')", err, revision=revision) from None
-    return tokenizer, encoder
 
 
 class Cosmos2Encoder(FamilyEncoder):
     """The Wan 2.1 VAE and T5 encoder of a Cosmos-Predict2 repo, in eval mode, no grad."""
 
     def __init__(self, model: str, *, device=None, dtype=torch.float32, revision=None, vae_tiling=False, spec=None):
-        from fv_accel.models.loading import load_vae
+        from transformers import T5EncoderModel
+
+        from fv_accel.models.loading import load_text_encoder, load_vae
 
         self.device = device or torch.device("cpu")
         self.spec = spec or Cosmos2Student.encoding_spec(model, revision)
         self.statistics = Cosmos2Student.latent_statistics(model, revision)
         self.vae = load_vae(model, revision=revision, torch_dtype=dtype).to(self.device).eval().requires_grad_(False)
-        self.tokenizer, self.text_encoder = load_t5(model, revision=revision, torch_dtype=dtype)
+        self.tokenizer, self.text_encoder = load_text_encoder(model, revision=revision, torch_dtype=dtype, encoder_class=T5EncoderModel)
         self.text_encoder.to(self.device).eval().requires_grad_(False)
         if vae_tiling and hasattr(self.vae, "enable_tiling"):
             self.vae.enable_tiling()

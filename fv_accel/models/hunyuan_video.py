@@ -435,7 +435,7 @@ class HunyuanVideoStudent(DiffusersStudent):
         pipeline's: the embedded guidance; `negative` is not used (no true classifier-free pass)."""
         from diffusers import HunyuanVideoPipeline
 
-        from fv_accel.sampling import sampling_scheduler
+        from fv_accel.sampling import pipeline_latents, sampling_scheduler
 
         del negative, first_frame
         pipe = HunyuanVideoPipeline(
@@ -447,22 +447,21 @@ class HunyuanVideoStudent(DiffusersStudent):
             text_encoder_2=None,
             tokenizer_2=None,
         )
-        pipe.set_progress_bar_config(disable=True)
         text, mask = real_text(cond)
-        latents = pipe(
-            prompt_embeds=text,
-            pooled_prompt_embeds=cond.pooled_text,
-            prompt_attention_mask=mask,
+        # No negative prompt: the pipeline's true classifier-free pass stays off.
+        return pipeline_latents(
+            pipe,
+            text,
+            None,
             height=height,
             width=width,
             num_frames=num_frames,
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
             generator=generator,
-            output_type="latent",
-            return_dict=False,
-        )[0]
-        return latents.float()
+            pooled_prompt_embeds=cond.pooled_text,
+            prompt_attention_mask=mask,
+        )
 
     # ---- outputs ----
     def base_model_info(self) -> dict:

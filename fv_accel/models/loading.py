@@ -173,13 +173,15 @@ def load_text_encoder(
     torch_dtype: torch.dtype = torch.float32,
     subfolder: str = "text_encoder",
     tokenizer_subfolder: str = "tokenizer",
+    encoder_class: Optional[type] = None,
 ):
-    """(tokenizer, UMT5 text encoder) of the repo, found like the transformer."""
+    """(tokenizer, text encoder) of the repo, found like the transformer; the encoder is a
+    `encoder_class` (default UMT5EncoderModel, Wan's; T5EncoderModel for LTX-Video and Cosmos)."""
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     fetch_config(model_id, subfolder, revision=revision, required=True)
     try:
-        text_encoder = UMT5EncoderModel.from_pretrained(
+        text_encoder = (encoder_class or UMT5EncoderModel).from_pretrained(
             model_id, subfolder=subfolder, revision=revision, dtype=torch_dtype, use_safetensors=True
         )
     except (OSError, ValueError) as err:

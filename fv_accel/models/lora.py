@@ -228,6 +228,29 @@ def alpha_by_module(state: dict[str, torch.Tensor], metadata: dict[str, Any]) ->
     return out
 
 
+def original_module_name(
+    module: str,
+    *,
+    blocks: str,
+    original_blocks: str,
+    block_modules: dict[str, str],
+    top_modules: dict[str, str],
+    naming: str,
+    supported: str,
+) -> str:
+    """diffusers module name -> a model's original name (ComfyUI's layout), by table: a module
+    `<blocks>.<i>.<inner>` is `<original_blocks>.<i>.<block_modules[inner]>`, others are looked up
+    in `top_modules`. An unmapped module is an error naming it, the `naming` and what is `supported`."""
+    parts = module.split(".")
+    if parts[0] == blocks and len(parts) > 2:
+        inner = ".".join(parts[2:])
+        if inner in block_modules:
+            return f"{original_blocks}.{parts[1]}.{block_modules[inner]}"
+    elif module in top_modules:
+        return top_modules[module]
+    raise ValueError(f"LoRA on module '{module}' has no {naming} name; supported: {supported}")
+
+
 def to_comfyui(
     state: dict[str, torch.Tensor], metadata: dict[str, Any], module_name: Callable[[str], str]
 ) -> dict[str, torch.Tensor]:

@@ -226,6 +226,10 @@ class LTXVideoEncoder(FamilyEncoder):
         vae_tiling: bool = False,
         spec: Optional[EncodingSpec] = None,
     ):
+        from transformers import T5EncoderModel
+
+        from fv_accel.models.loading import load_text_encoder
+
         self.model = model
         self.revision = revision
         self.device = device or torch.device("cpu")
@@ -235,7 +239,7 @@ class LTXVideoEncoder(FamilyEncoder):
         self.vae.to(self.device).eval().requires_grad_(False)
         if vae_tiling:
             self.vae.enable_tiling()
-        self.tokenizer, self.text_encoder = load_t5(model, revision=revision, torch_dtype=dtype)
+        self.tokenizer, self.text_encoder = load_text_encoder(model, revision=revision, torch_dtype=dtype, encoder_class=T5EncoderModel)
         self.text_encoder.to(self.device).eval().requires_grad_(False)
 
     @torch.no_grad()
@@ -268,26 +272,6 @@ class LTXVideoEncoder(FamilyEncoder):
 
     def latent_statistics(self) -> tuple[list, list]:
         return LTXVideoStudent.latent_statistics(self.model, self.revision)
-
-
-def load_t5(model: str, *, revision: Optional[str] = None, torch_dtype: torch.dtype = torch.float32):
-    """(tokenizer, T5EncoderModel) of an LTX-Video repo, found like the transformer."""
-    from transformers import AutoTokenizer, T5EncoderModel
-
-    from fv_accel.models.loading import explain_load_error, fetch_config
-
-    fetch_config(model, "text_encoder", revision=revision, required=True)
-    try:
-        text_encoder = T5EncoderModel.from_pretrained(
-            model, subfolder="text_encoder", revision=revision, dtype=torch_dtype, use_safetensors=True
-        )
-    except (OSError, ValueError) as err:
-        raise explain_load_error(model, "text encoder (subfolder 'text_encoder')", err, revision=revision) from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model, subfolder="tokenizer", revision=revision, config=text_encoder.config)
-    except (OSError, ValueError) as err:
-        raise explain_load_error(model, "tokenizer (subfolder 'tokenizer')", err, revision=revision) from None
-    return tokenizer, text_encoder
 
 
 @register_family

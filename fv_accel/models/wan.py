@@ -162,18 +162,17 @@ WAN_TOP_MODULES = {
 
 def wan_comfyui_module_name(module: str) -> str:
     """diffusers module name -> original Wan name (ComfyUI's layout)."""
-    parts = module.split(".")
-    if parts[0] == "blocks" and len(parts) > 2:
-        inner = ".".join(parts[2:])
-        if inner in WAN_BLOCK_MODULES:
-            return f"blocks.{parts[1]}.{WAN_BLOCK_MODULES[inner]}"
-    elif module in WAN_TOP_MODULES:
-        return WAN_TOP_MODULES[module]
-    raise ValueError(
-        f"LoRA on module '{module}' has no ComfyUI (original Wan) name; supported: the attention "
-        f"projections, add_k_proj/add_v_proj, the FFN, the condition embedder and proj_out"
-    )
+    from fv_accel.models.lora import original_module_name
 
+    return original_module_name(
+        module,
+        blocks="blocks",
+        original_blocks="blocks",
+        block_modules=WAN_BLOCK_MODULES,
+        top_modules=WAN_TOP_MODULES,
+        naming="ComfyUI (original Wan)",
+        supported="the attention projections, add_k_proj/add_v_proj, the FFN, the condition embedder and proj_out",
+    )
 
 
 # Expert of a two-transformer Wan 2.2 repo (A14B) -> the subfolder holding its weights.
