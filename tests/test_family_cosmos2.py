@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fv_accel.models import cosmos2 as c2
+from family_helpers import preprocess_tiny_clips, run_overrides
 
 
 @pytest.fixture(scope="module")
@@ -216,33 +217,11 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def cosmos_data(tmp_path_factory, cosmos_dir):
     """The tiny model's dataset: 2 clips of 17 frames at 64x64 preprocessed with its own VAE and T5."""
-    from fv_accel.data.video import FrameSampling
-    from fv_accel.preprocess import preprocess
-    from fv_accel.tiny.data import write_tiny_videos
-
-    root = tmp_path_factory.mktemp("cosmos2_data")
-    write_tiny_videos(root / "clips", num_clips=2, num_frames=17, height=64, width=64, seed=0)
-    sampling = FrameSampling(num_frames=(17,), buckets=((64, 64),), seed=0)
-    result = preprocess(str(cosmos_dir), str(root / "clips"), root / "data", sampling, device=CPU, dtype=torch.float32)
-    assert result.encoded == 2, result.summary
-    return root / "data"
+    return preprocess_tiny_clips(cosmos_dir, tmp_path_factory.mktemp("cosmos2_data"))
 
 
 def overrides(tmp, model, data, **extra):
-    over = {
-        "models.student.init_from": str(model),
-        "training.data.data_path": str(data),
-        "training.data.train_batch_size": 1,
-        "training.loop.max_train_steps": 2,
-        "training.optimizer.learning_rate": 1.0e-2,
-        "training.checkpoint.output_dir": str(tmp / "out"),
-        "training.checkpoint.training_state_checkpointing_steps": 0,
-        "training.tracker.trackers": ["none"],
-        "callbacks.validation.enable": False,
-        "callbacks.ema.enable": False,
-    }
-    over.update(extra)
-    return over
+    return run_overrides(tmp, model, data, **{"training.optimizer.learning_rate": 1.0e-2, **extra})
 
 
 # LoRA on the recipe's (and the family's default) targets: attention projections and the FFN.

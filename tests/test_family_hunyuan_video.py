@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from family_helpers import preprocess_tiny_clips, run_overrides
 
 
 @pytest.fixture(scope="module")
@@ -141,39 +142,14 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def hv_data(hv_dir, tmp_path_factory):
     """The tiny HunyuanVideo model's dataset: 2 clips of 17 frames at 64x64."""
-    from fv_accel.data.video import FrameSampling
-    from fv_accel.preprocess import preprocess
-    from fv_accel.tiny.data import write_tiny_videos
-
-    root = tmp_path_factory.mktemp("hv_data")
-    write_tiny_videos(root / "clips", num_clips=2, num_frames=17, height=64, width=64, seed=0)
-    sampling = FrameSampling(num_frames=(17,), buckets=((64, 64),), seed=0)
-    result = preprocess(str(hv_dir), str(root / "clips"), root / "data", sampling, device=CPU, dtype=torch.float32)
-    assert result.encoded == 2, result.summary
-    return root / "data"
-
-
-def hv_overrides(tmp_path, hv_dir, hv_data, **extra):
-    over = {
-        "models.student.init_from": str(hv_dir),
-        "training.data.data_path": str(hv_data),
-        "training.data.train_batch_size": 1,
-        "training.loop.max_train_steps": 2,
-        "training.checkpoint.output_dir": str(tmp_path / "out"),
-        "training.checkpoint.training_state_checkpointing_steps": 0,
-        "training.tracker.trackers": ["none"],
-        "callbacks.validation.enable": False,
-        "callbacks.ema.enable": False,
-    }
-    over.update(extra)
-    return over
+    return preprocess_tiny_clips(hv_dir, tmp_path_factory.mktemp("hv_data"))
 
 
 def hv_student(hv_dir, hv_data, tmp_path, **extra):
     from fv_accel.config import default_recipe, load_config
     from fv_accel.models import build_student
 
-    cfg = load_config(default_recipe("finetune"), hv_overrides(tmp_path, hv_dir, hv_data, **extra))
+    cfg = load_config(default_recipe("finetune"), run_overrides(tmp_path, hv_dir, hv_data, **extra))
     torch.manual_seed(0)
     student = build_student(cfg)
     student.init_preprocessors(cfg.training)
@@ -263,7 +239,7 @@ def test_dfsft_is_refused_at_build_time_with_one_line(hv_dir, hv_data, tmp_path)
     from fv_accel.config import default_recipe
 
     with pytest.raises(ValueError) as err:
-        build_from_config(default_recipe("dfsft"), hv_overrides(tmp_path, hv_dir, hv_data, **{"method.chunk_size": 2}))
+        build_from_config(default_recipe("dfsft"), run_overrides(tmp_path, hv_dir, hv_data, **{"method.chunk_size": 2}))
     message = str(err.value)
     assert "\n" not in message
     assert "hunyuan_video" in message and "one timestep per sample" in message
@@ -278,7 +254,7 @@ def test_finetune_saves_what_the_stock_pipeline_loads_and_samples_17_frames(hv_d
     from fv_accel.config import default_recipe
     from fv_accel.trainer import Trainer
 
-    over = hv_overrides(tmp_path, hv_dir, hv_data, **{"models.student.lora.enable": lora})
+    over = run_overrides(tmp_path, hv_dir, hv_data, **{"models.student.lora.enable": lora})
     Trainer(build_from_config(default_recipe("finetune"), over)).run()
     out = tmp_path / "out"
     pipe = DiffusionPipeline.from_pretrained(hv_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_helpers import preprocess_tiny_clips, run_overrides
 
 CAPTION = "a red circle moving left on a dark background"
 
@@ -117,32 +118,8 @@ CPU = torch.device("cpu")
 def hv15_data(hv15_dir, tmp_path_factory):
     """The tiny model's dataset: 2 procedural clips of 17 frames at 64x64, preprocessed with its own
     VAE and both text encoders."""
-    from fv_accel.data.video import FrameSampling
-    from fv_accel.preprocess import preprocess
-    from fv_accel.tiny.data import write_tiny_videos
+    return preprocess_tiny_clips(hv15_dir, tmp_path_factory.mktemp("hv15-data"))
 
-    root = tmp_path_factory.mktemp("hv15-data")
-    write_tiny_videos(root / "clips", num_clips=2, num_frames=17, height=64, width=64, seed=0)
-    sampling = FrameSampling(num_frames=(17,), buckets=((64, 64),), seed=0)
-    result = preprocess(str(hv15_dir), str(root / "clips"), root / "data", sampling, device=CPU, dtype=torch.float32)
-    assert result.encoded == 2, result.summary
-    return root / "data"
-
-
-def overrides(tmp, model, data, **extra):
-    over = {
-        "models.student.init_from": str(model),
-        "training.data.data_path": str(data),
-        "training.data.train_batch_size": 1,
-        "training.loop.max_train_steps": 2,
-        "training.checkpoint.output_dir": str(tmp / "out"),
-        "training.checkpoint.training_state_checkpointing_steps": 0,
-        "training.tracker.trackers": ["none"],
-        "callbacks.validation.enable": False,
-        "callbacks.ema.enable": False,
-    }
-    over.update(extra)
-    return over
 
 
 def student_of(model, **extra):
@@ -298,7 +275,7 @@ def test_full_finetune_saves_a_transformer_the_stock_pipeline_runs(tmp_path, hv1
     from fv_accel.config import default_recipe
     from fv_accel.trainer import Trainer
 
-    Trainer(build_from_config(default_recipe("finetune"), overrides(tmp_path, hv15_dir, hv15_data))).run()
+    Trainer(build_from_config(default_recipe("finetune"), run_overrides(tmp_path, hv15_dir, hv15_data))).run()
     saved = HunyuanVideo15Transformer3DModel.from_pretrained(str(tmp_path / "out"), subfolder="transformer")
     base = HunyuanVideo15Transformer3DModel.from_pretrained(str(hv15_dir), subfolder="transformer")
     changed = [k for k, v in base.state_dict().items() if not torch.equal(v, saved.state_dict()[k])]
@@ -323,7 +300,7 @@ def test_lora_finetune_loads_into_the_stock_pipelines_transformer(tmp_path, hv15
 
     # The family's targets: both streams of the joint attention (as the real recipe).
     targets = list(HunyuanVideo15Student.lora_target_modules)
-    over = overrides(tmp_path, hv15_dir, hv15_data, **{"models.student.lora.enable": True, "models.student.lora.target_modules": targets})
+    over = run_overrides(tmp_path, hv15_dir, hv15_data, **{"models.student.lora.enable": True, "models.student.lora.target_modules": targets})
     Trainer(build_from_config(default_recipe("finetune"), over)).run()
     lora_file = tmp_path / "out" / "pytorch_lora_weights.safetensors"
     assert lora_file.is_file()
@@ -345,7 +322,7 @@ def test_lora_finetune_loads_into_the_stock_pipelines_transformer(tmp_path, hv15
 def test_dfsft_is_refused_with_one_line(tmp_path, hv15_dir, hv15_data):
     from resume_helpers import build_fails
 
-    text = build_fails("dfsft", overrides(tmp_path, hv15_dir, hv15_data), ValueError, "the hunyuan_video_15 family cannot take a timestep per latent frame")
+    text = build_fails("dfsft", run_overrides(tmp_path, hv15_dir, hv15_data), ValueError, "the hunyuan_video_15 family cannot take a timestep per latent frame")
     assert "HunyuanVideo15Transformer3DModel takes one timestep per sample" in text
 
 

@@ -17,6 +17,7 @@ from fv_accel.methods import METHODS
 from fv_accel.models import build_student
 from fv_accel.models.ltx_video import LTXVideoStudent, pack_latents, token_timesteps
 from fv_accel.trainer import Trainer
+from family_helpers import preprocess_tiny_clips, run_overrides
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,41 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def ltx(tmp_path_factory):
     """(tiny LTX-Video folder, its preprocessed dataset of 2 clips of 17 frames at 64x64)."""
-    from fv_accel.data.video import FrameSampling
-    from fv_accel.preprocess import preprocess
-    from fv_accel.tiny.data import write_tiny_videos
     from fv_accel.tiny.ltx_video import write_tiny_ltx_video
 
     root = tmp_path_factory.mktemp("ltx")
     model = write_tiny_ltx_video(root / "tiny-ltx", seed=0)
-    clips = root / "clips"
-    write_tiny_videos(clips, num_clips=2, num_frames=17, height=64, width=64, seed=0)
-    sampling = FrameSampling(num_frames=(17,), buckets=((64, 64),), seed=0)
-    result = preprocess(str(model), str(clips), root / "data", sampling, device=CPU, dtype=torch.float32)
-    assert result.encoded == 2, result.summary
-    return model, root / "data"
+    return model, preprocess_tiny_clips(model, root)
 
 
 def stock_pipeline(model: Path):
     from diffusers import DiffusionPipeline
 
     return DiffusionPipeline.from_pretrained(str(model))
-
-
-def run_overrides(tmp: Path, model: Path, data: Path, **extra) -> dict:
-    over = {
-        "models.student.init_from": str(model),
-        "training.data.data_path": str(data),
-        "training.data.train_batch_size": 1,
-        "training.loop.max_train_steps": 2,
-        "training.checkpoint.output_dir": str(tmp / "out"),
-        "training.checkpoint.training_state_checkpointing_steps": 0,
-        "training.tracker.trackers": ["none"],
-        "callbacks.validation.enable": False,
-        "callbacks.ema.enable": False,
-    }
-    over.update(extra)
-    return over
 
 
 def student_and_method(model: Path, recipe: str = "finetune", **extra):
