@@ -344,3 +344,18 @@ def test_ltx_dfsft_recipe_dry_run_resolves():
     )
     assert out.returncode == 0, out.stderr
     assert "Lightricks/LTX-Video-0.9.5" in out.stdout and "chunk_size: 4" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("models.student.guidance", 6.0, "models.student.guidance: 6.0: the ltx_video family's LTXVideoTransformer3DModel has no guidance embedding"),
+        ("models.student.expert", "low_noise", "models.student.expert is 'low_noise' but model '.*' \\(ltx_video family\\) has one transformer"),
+        ("models.student.task", "i2v", "models.student.task is i2v but model '.*' \\(ltx_video family\\) takes no image condition"),
+    ],
+)
+def test_keys_of_other_families_are_refused_not_ignored(ltx, key, value, message):
+    """The generic student refuses a recipe key its family has no use for, naming the key and value."""
+    model, _ = ltx
+    with pytest.raises(ValueError, match=message):
+        student_and_method(model, **{key: value})

@@ -375,6 +375,7 @@ class HunyuanVideoStudent(DiffusersStudent):
             self.guidance = None
         else:
             self.guidance = PIPELINE_GUIDANCE if wanted is None else float(wanted)
+            self.takes_guidance = True
 
     def input_dtype_of(self, module: torch.nn.Module) -> torch.dtype:
         """The patch embedding's dtype (the one the pipeline casts its inputs to)."""

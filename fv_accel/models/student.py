@@ -77,6 +77,9 @@ class DiffusersStudent(ModelBase):
     # Recipes for a family without its own scheduler config (an inline transformer_config) train
     # on this shift unless `models.student.flow_shift` says otherwise.
     default_flow_shift: float = 3.0
+    # Whether the transformer takes an embedded guidance value (`models.student.guidance`); set by
+    # `configure` where a family reads it from the model.
+    takes_guidance: bool = False
     # Where `latent_statistics` reads a repo's statistics (named in messages).
     latent_statistics_source: str = "vae"
 
@@ -91,6 +94,22 @@ class DiffusersStudent(ModelBase):
         self.in_channels = self.latent_channels(config)
         self.patch_size = self.patch_size_of(config)
         self.configure(config)
+        where = st.init_from or "models.student.transformer_config"
+        if st.expert is not None and self.expert is None:
+            raise ValueError(
+                f"models.student.expert is {st.expert!r} but model '{where}' ({self.family} family) has one "
+                "transformer (experts are Wan 2.2 A14B's): remove the key"
+            )
+        if st.task == "i2v" and not self.capabilities.image_conditioning:
+            raise ValueError(
+                f"models.student.task is i2v but model '{where}' ({self.family} family) takes no image condition: "
+                "set t2v or auto"
+            )
+        if st.guidance is not None and not self.takes_guidance:
+            raise ValueError(
+                f"models.student.guidance: {st.guidance}: the {self.family} family's {type(self.modules[0]).__name__} "
+                "has no guidance embedding (only guidance-distilled transformers, e.g. HunyuanVideo, take one); remove the key"
+            )
         self.transformer.requires_grad_(trainable)
         self.causal_attention = None
         if st.causal:
