@@ -241,7 +241,7 @@ def export_merged(src: ExportSource, out: Path, *, base: Optional[str] = None, d
             "init, not saved); pass --base MODEL (Hub id or folder of the base it was trained on)"
         )
     cls, _ = _transformer_class(st)
-    classes = {kind: c for kind, c in _family({"model_class": src.base.get("model_class")}).transformer_classes.items()}
+    classes = _family(src.base).transformer_classes
     transformer = load_transformer(st, classes, {c.__name__: kind for kind, c in classes.items()})
     if not isinstance(transformer, cls):
         raise ExportError(f"model '{st.init_from}': its transformer is a {type(transformer).__name__}, not the run's {cls.__name__}")

@@ -359,3 +359,23 @@ def test_keys_of_other_families_are_refused_not_ignored(ltx, key, value, message
     model, _ = ltx
     with pytest.raises(ValueError, match=message):
         student_and_method(model, **{key: value})
+
+
+def test_a_lora_checkpoint_exports_merged_into_an_ltx_transformer(tmp_path, ltx):
+    """A checkpoint records the recipe's `model_class: auto`; the export finds the family from the
+    base model and merges the adapter into an LTXVideoTransformer3DModel."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    from fv_accel.export import export_merged, find_source
+
+    model, data = ltx
+    over = run_overrides(tmp_path, model, data, **{
+        "models.student.lora.enable": True, "training.checkpoint.training_state_checkpointing_steps": 1,
+        "training.optimizer.lr_warmup_steps": 0,  # the first step trains (warm-up starts at LR 0)
+    })
+    Trainer(build_from_config(default_recipe("finetune"), over)).run()
+    written = export_merged(find_source(tmp_path / "out" / "checkpoint-1"), tmp_path / "merged")
+    merged = LTXVideoTransformer3DModel.from_pretrained(str(written[0]))
+    base = LTXVideoTransformer3DModel.from_pretrained(str(model), subfolder="transformer")
+    changed = [k for k, v in base.state_dict().items() if not torch.equal(v, merged.state_dict()[k])]
+    assert changed and all("attn" in k for k in changed)
