@@ -151,6 +151,10 @@ class Trainer:
         self.last_checkpoint: Optional[Path] = None
         self._stop_signal: Optional[int] = None
         self._stop_signal_time = 0.0
+        # Set by the per-step check: some rank was asked to stop (several processes).
+        self._stop_agreed = False
+        # The gradient norm's value, read by the per-step check.
+        self._norm_value = math.nan
         self._dump_registered = False
         # DeepSpeed: the loss is checked before backward, since the engine steps inside it.
         self.steps_in_backward = engine_steps_in_backward(self.accelerator)
@@ -212,22 +216,24 @@ class Trainer:
         os._exit(128 + signum)
 
     def _stop_requested(self) -> bool:
-        flag = self._stop_signal is not None
-        if self.accelerator.num_processes > 1:  # every rank must stop at the same step
-            t = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
-            flag = bool(self.accelerator.reduce(t, reduction="sum").item() > 0)
-        return flag
+        """Whether to stop at this step boundary. One process: its own signal flag. Several: the
+        flag all ranks agreed on in this step's check (`_find_fault` carries it in the same
+        collective), so every rank stops at the same step without a collective of its own."""
+        if self.accelerator.num_processes > 1:
+            return self._stop_agreed
+        return self._stop_signal is not None
 
     # ---- gradient clipping ----
-    def _clip_gradients(self, params: list, max_norm: float) -> Any:
-        """The global gradient norm; gradients above `max_norm` are scaled down to it (<= 0: no limit).
+    def _grad_norm(self, params: list, max_norm: float) -> tuple[Any, bool]:
+        """The global gradient norm, and whether the gradients are already clipped to `max_norm`.
 
         torch's clip_grad_norm_ (under Accelerate's) rescales every gradient every step, by exactly
         1.0 when the norm is under the limit, to spare a host sync: a second pass over all gradients
-        (about 2% of a step of configs/bench_small.yaml on CPU, benchmarks/step_overhead.py). The loop
-        syncs on the norm anyway (the non-finite check), so on unsharded runs without a loss scaler
-        the norm comes first and the pass runs only when it changes something; the gradients are
-        bit-identical either way. Sharded engines and fp16 keep Accelerate's path.
+        (about 2% of a step of configs/bench_small.yaml on CPU, benchmarks/step_overhead.py). The
+        loop reads the norm anyway, in its one sync per step (the non-finite check), so on unsharded
+        runs without a loss scaler only the norm is taken here and `_clip_to` rescales afterwards,
+        only when it changes something; the gradients are bit-identical either way. Sharded engines,
+        DeepSpeed and fp16 keep Accelerate's path (clipped here).
         """
         from accelerate.utils import DistributedType
 
@@ -235,12 +241,21 @@ class Trainer:
         limit = max_norm if max_norm > 0 else math.inf
         unsharded = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
         if self.steps_in_backward or acc.distributed_type not in unsharded or acc.scaler is not None:
-            return acc.clip_grad_norm_(params, limit)  # DeepSpeed: the norm its engine step took
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
-        # torch's own rule: scale when max_norm / (norm + 1e-6) < 1 (a NaN norm is left to the fault check).
-        if math.isfinite(limit) and bool(limit / (norm + 1e-6) < 1.0):
-            torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
+            return acc.clip_grad_norm_(params, limit), True  # DeepSpeed: the norm its engine step took
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]), False
+
+    @staticmethod
+    def _clip_to(params: list, max_norm: float, norm: torch.Tensor, norm_value: float) -> None:
+        """Scale the gradients down to `max_norm` given their norm (tensor and its value on the host),
+        by torch's own rule: when max_norm / (norm + 1e-6) < 1 (a NaN norm is left to the fault check)."""
+        if max_norm > 0 and math.isfinite(max_norm) and max_norm / (norm_value + 1e-6) < 1.0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+
+    def _clip_gradients(self, params: list, max_norm: float) -> Any:
+        """The global gradient norm, the gradients clipped to `max_norm` (<= 0: no limit)."""
+        norm, clipped = self._grad_norm(params, max_norm)
+        if not clipped:
+            self._clip_to(params, max_norm, norm, float(norm))
         return norm
 
     # ---- numerical faults: checked before the optimizer step ----
@@ -248,7 +263,10 @@ class Trainer:
         self, loss: torch.Tensor, grad_norm: Any, micro: list, step: int, *, scaler_skipped: bool = False
     ) -> Optional[str]:
         """A message naming the step, loss and timesteps if the loss or gradient norm is non-finite
-        on any rank (every rank gets the same answer)."""
+        on any rank (every rank gets the same answer).
+
+        The step's one host sync and, across processes, its one collective: the flags, the stop
+        request (`_stop_agreed`) and the norm (`_norm_value`) travel in one tensor (max over ranks)."""
         acc = self.accelerator
         loss_bad = ~torch.isfinite(loss.detach().float().reshape(()))
         # Under fp16 the grad scaler owns overflowing gradients (it skips the step and lowers the
@@ -257,11 +275,18 @@ class Trainer:
         if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the total norm as a replicated DTensor
             grad_norm = grad_norm.full_tensor()
         norm = torch.as_tensor(grad_norm if norm_checked else 0.0, dtype=torch.float32, device=loss_bad.device)
-        flags = torch.stack([loss_bad.float(), (~torch.isfinite(norm)).float()]).to(acc.device)
+        norm_bad = ~torch.isfinite(norm)
+        stop = torch.tensor(1.0 if self._stop_signal is not None else 0.0, device=norm.device)
+        packed = torch.stack([loss_bad.float(), norm_bad.float(), stop, torch.where(norm_bad, 0.0, norm)]).to(acc.device)
         if acc.num_processes > 1:
-            flags = acc.reduce(flags, reduction="sum")
-        if not bool(flags.sum().item() > 0):
+            import torch.distributed as dist
+
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+        loss_flag, norm_flag, stop_flag, self._norm_value = packed.tolist()
+        self._stop_agreed = self._stop_agreed or stop_flag > 0
+        if not (loss_flag > 0 or norm_flag > 0):
             return None
+        flags = (loss_flag, norm_flag)
         losses = [float(l) for l, _ in micro]
         timesteps = [None if t is None else [round(v, 2) for v in t.detach().float().flatten().tolist()] for _, t in micro]
         what = "loss" if flags[0] > 0 else "gradient norm"
@@ -549,8 +574,10 @@ class Trainer:
                     elif acc.sync_gradients:
                         # The norm is taken even without clipping (max norm inf) to catch a
                         # non-finite gradient before it reaches the weights.
-                        grad_norm = self._clip_gradients(params, max_norm)
+                        grad_norm, clipped = self._grad_norm(params, max_norm)
                         fault = self._find_fault(loss_sums["total_loss"], grad_norm, micro_records, self.step + 1)
+                        if fault is None and not clipped:
+                            self._clip_to(params, max_norm, grad_norm, self._norm_value)
                         if fault is not None and describe_samples(micro_samples):
                             rank = f" (process {acc.process_index})" if acc.num_processes > 1 else ""
                             fault += f"; {describe_samples(micro_samples)}{rank}"
@@ -582,15 +609,22 @@ class Trainer:
                     logger.warning("skipped step %d (%d skipped in all): %s", self.step, self.skipped_steps, fault)
             step_time = time.perf_counter() - t0
 
-            # Means over data-parallel ranks (FastVideo logged rank 0's alone).
-            reduced = {name: acc.reduce(v.to(acc.device), reduction="mean") for name, v in loss_sums.items()}
-            reduced.update({name: acc.reduce(v.to(acc.device), reduction="mean") for name, v in metric_sums.items()})
             global_samples = samples * acc.num_processes
             samples_run += global_samples
-            logs = {name: float(v) for name, v in reduced.items()}
-            logs["loss"] = logs["total_loss"]
+            tokens_run += tokens * acc.num_processes
+            logs: dict[str, Any] = {}
+            # Losses and metrics are read (a host sync, and a collective across processes) only on
+            # the steps that log them: every log_every-th, the run's first and the last.
+            log_now = self.step % log_every == 0 or self.step == max_steps or steps_run == 1
+            if log_now:
+                names = [*loss_sums, *metric_sums]
+                values = torch.stack([v.reshape(()) for v in [*loss_sums.values(), *metric_sums.values()]]).to(acc.device)
+                # Means over data-parallel ranks (FastVideo logged rank 0's alone), in one collective.
+                reduced = acc.reduce(values, reduction="mean") if acc.num_processes > 1 else values
+                logs.update(zip(names, reduced.tolist()))
+                logs["loss"] = logs["total_loss"]
             logs["lr"] = float(method.lr_scheduler.get_last_lr()[0])
-            if grad_norm is not None:
+            if log_now and grad_norm is not None:
                 logs["grad_norm"] = float(grad_norm)
             logs["step_time"] = step_time
             logs["data_wait"] = data_wait
@@ -599,12 +633,11 @@ class Trainer:
             logs["epoch"] = self.dataloader.epoch
             logs["skipped_steps"] = self.skipped_steps
             logs.update(telemetry.step_metrics(step_time=step_time, samples=samples, tokens=tokens))
-            tokens_run += tokens * acc.num_processes
-            self.history.append({"step": self.step, **logs})
-            if self.step % log_every == 0 or self.step == max_steps:
+            if log_now:
+                self.history.append({"step": self.step, **logs})
                 self._log(logs, self.step)
+                progress.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
             progress.update(1)
-            progress.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
 
             if applied:
                 # No callback (the EMA) sees these weights and no checkpoint holds them.

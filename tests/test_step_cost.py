@@ -2,7 +2,9 @@
 - WanStudent embeds per-frame timesteps once per frame (PerFrameTimeEmbedding): the same outputs
   and gradients as diffusers' per-token path, with the time MLP's FLOPs cut by the tokens per frame;
 - the Trainer scales gradients only when their norm is over the limit: the same gradients and norm
-  as torch's clip_grad_norm_, without its pass over every gradient when nothing changes."""
+  as torch's clip_grad_norm_, without its pass over every gradient when nothing changes;
+- a step reads the device once (the non-finite check, which carries the gradient norm and the stop
+  request) except on the steps that log."""
 
 from __future__ import annotations
 
@@ -105,8 +107,9 @@ def test_clipping_matches_torch_and_skips_the_pass_under_the_limit(monkeypatch, 
     passes = []
     original = torch.nn.utils.clip_grads_with_norm_
     monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: passes.append(1) or original(*a, **k))
-    trainer = SimpleNamespace(accelerator=Accelerator(cpu=True), steps_in_backward=False)
-    got_norm = Trainer._clip_gradients(trainer, ours, max_norm)
+    trainer = Trainer.__new__(Trainer)  # only what clipping reads
+    trainer.accelerator, trainer.steps_in_backward = Accelerator(cpu=True), False
+    got_norm = trainer._clip_gradients(ours, max_norm)
 
     assert torch.equal(got_norm, expected_norm)
     for a, b in zip(ours, reference):
@@ -161,3 +164,74 @@ def test_per_sample_timesteps_run_diffusers_own_block_forward():
         block.forward.original = original
     D = tc["num_attention_heads"] * tc["attention_head_dim"]
     assert calls == [(2, 6, D)]
+
+
+# Tensor methods that copy a value to the host: on an accelerator each waits for the device.
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
+
+
+def test_a_step_reads_the_device_once_except_on_log_steps(monkeypatch, tmp_path, tiny_data_path):
+    """Counted on CPU by wrapping the tensor methods that read a value on the host, for calls made
+    from fv_accel's own code outside the data loader (whose sample indices live on the host)."""
+    import sys
+    from pathlib import Path
+
+    import fv_accel
+    from fv_accel.build import build_from_config
+    from fv_accel.trainer import Trainer, TrainerCallback
+    from tests.conftest import tiny_overrides
+
+    package = str(Path(fv_accel.__file__).parent)
+    loader_dir = str(Path(fv_accel.__file__).parent / "data")
+    reads: list[str] = []
+    counting = [False]
+
+    def wrap(name):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, **kwargs):
+            if counting[0]:
+                frame = sys._getframe(1)
+                where = frame.f_code.co_filename
+                if where.startswith(package) and not where.startswith(loader_dir):
+                    reads.append(f"{name} at {Path(where).name}:{frame.f_lineno}")
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    for name in HOST_READS:
+        wrap(name)
+
+    per_step: dict[int, list[str]] = {}
+
+    class Count(TrainerCallback):
+        def on_step_end(self, trainer, step, logs):
+            per_step[step] = list(reads)
+            reads.clear()
+
+    steps, log_every = 8, 4
+    run = build_from_config(
+        "configs/tiny_finetune.yaml",
+        tiny_overrides(tmp_path, **{"training.data.data_path": tiny_data_path, "training.loop.max_train_steps": steps,
+                                    "training.tracker.log_every": log_every}),
+        callbacks=[Count()],
+    )
+    trainer = Trainer(run)
+    original_start = Count.on_train_start
+
+    def start(self, tr):
+        counting[0] = True
+        reads.clear()
+        original_start(self, tr)
+
+    monkeypatch.setattr(Count, "on_train_start", start)
+    trainer.run()
+    counting[0] = False
+
+    log_steps = {1, log_every, 2 * log_every, steps}
+    assert sorted(per_step) == list(range(1, steps + 1))
+    for step, where in per_step.items():
+        if step in log_steps:
+            assert len(where) >= 2, (step, where)  # the check, and the logged values
+        else:
+            assert len(where) == 1 and where[0].startswith("tolist at trainer.py"), (step, where)
