@@ -394,11 +394,9 @@ class OursRunner:
             self.clock.phase_timer.wrap(method, "backward", "backward")
             # The method's step holds the forward; the rest of it is noise, timesteps and the loss.
             self.clock.phase_timer.wrap(method, "single_train_step", "method_step")
-            # The Trainer's clipping step (norm, fault-check input, scaling when over the limit).
-            if hasattr(self.trainer, "_clip_gradients"):
-                self.clock.phase_timer.wrap(self.trainer, "_clip_gradients", "clip")
-            else:
-                self.clock.phase_timer.wrap(self.run.accelerator, "clip_grad_norm_", "clip")
+            # The Trainer's clipping: the gradient norm, and the scaling when over the limit.
+            self.clock.phase_timer.wrap(self.trainer, "_grad_norm", "clip")
+            self.clock.phase_timer.wrap(self.trainer, "_clip_to", "clip")
 
     @property
     def accelerator(self) -> Any:
@@ -418,24 +416,50 @@ class OursRunner:
         return self.clock.take()
 
 
-class BareLoop:
-    """The cheapest possible loop on the same model, batch and optimizer: noise, flow-matching loss,
-    backward, AdamW step; nothing else (no clipping, no logging, one batch kept on the device).
-    On CUDA each step ends with a synchronize so that per-step times are real (our Trainer syncs
-    once a step too, when it logs the loss)."""
+def fastest_adamw(params: list, device: torch.device, **hyper: Any) -> tuple[torch.optim.Optimizer, str]:
+    """torch's AdamW in its fastest implementation on `device`: fused where torch has the kernel,
+    else foreach (one kernel per operation over all tensors); and the implementation's name."""
+    for impl in ("fused", "foreach"):
+        try:
+            return torch.optim.AdamW(params, **hyper, **{impl: True}), impl
+        except (RuntimeError, ValueError):
+            continue
+    return torch.optim.AdamW(params, **hyper), "for_loop"
 
-    def __init__(self, cfg: Any, batch: dict, device: torch.device, mixed_precision: str, *, phases: bool = False):
+
+class BareLoop:
+    """The cheapest loop we can write on the same model, batch and optimizer math: noise,
+    flow-matching loss, backward, AdamW step in its fastest implementation (fastest_adamw); nothing
+    else (no clipping, no logging, one batch kept on the device). `lora`: the recipe's peft LoRA
+    adapter on the frozen model, trained alone. On CUDA each step ends with a synchronize so that
+    per-step times are real (our Trainer syncs once a step too, in its non-finite check)."""
+
+    def __init__(
+        self, cfg: Any, batch: dict, device: torch.device, mixed_precision: str, *, phases: bool = False, lora: bool = False
+    ):
         from accelerate.utils import set_seed
         from diffusers import WanTransformer3DModel
 
         set_seed(cfg.training.data.seed)  # the same initial weights as our student
         self.model = WanTransformer3DModel(**dict(cfg.models.student.transformer_config)).to(device)
+        if lora:
+            import dataclasses
+
+            from fv_accel.models.lora import peft_lora_config
+            from fv_accel.models.wan import WanStudent
+
+            lora_cfg = cfg.models.student.lora
+            if lora_cfg.target_modules is None:  # the family's own list, as our student resolves it
+                lora_cfg = dataclasses.replace(lora_cfg, target_modules=list(WanStudent.lora_target_modules))
+            self.model.requires_grad_(False)
+            self.model.add_adapter(peft_lora_config(lora_cfg))
         if cfg.training.model.enable_gradient_checkpointing_type == "full":
             self.model.enable_gradient_checkpointing()
         self.model.train()
         opt = cfg.training.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.learning_rate, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
+        self.optimizer, self.optimizer_impl = fastest_adamw(
+            [p for p in self.model.parameters() if p.requires_grad], device,
+            lr=opt.learning_rate, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
         )
         self.x0 = batch["vae_latent"].to(device=device, dtype=torch.float32)
         self.text = batch["text_embedding"].to(device=device, dtype=torch.float32)

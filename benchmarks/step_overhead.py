@@ -34,10 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 import torch  # noqa: E402
 
-VARIANTS = ("bare", "sft", "dfsft")
-METHOD_OF = {"sft": "finetune", "dfsft": "dfsft"}
-RATIOS = (("sft", "bare"), ("dfsft", "bare"), ("dfsft", "sft"))
-TARGETS = {("sft", "bare"): 1.03, ("dfsft", "bare"): 1.03, ("dfsft", "sft"): 1.05}
+# Full fine-tuning (bare, sft, dfsft) and LoRA (bare_lora, sft_lora: the student's LoRA of the
+# recipe's family, rank 16, its target modules; the bare loop injects the same peft adapter).
+VARIANTS = ("bare", "sft", "dfsft", "bare_lora", "sft_lora")
+OURS = ("sft", "dfsft", "sft_lora")
+METHOD_OF = {"sft": "finetune", "dfsft": "dfsft", "sft_lora": "finetune"}
+BARE_OF = {"sft": "bare", "dfsft": "bare", "sft_lora": "bare_lora"}
+RATIOS = (("sft", "bare"), ("dfsft", "bare"), ("dfsft", "sft"), ("sft_lora", "bare_lora"))
+TARGETS = {("sft", "bare"): 1.03, ("dfsft", "bare"): 1.03, ("dfsft", "sft"): 1.05, ("sft_lora", "bare_lora"): 1.03}
+LORA_OVERRIDES = {"models.student.lora.enable": True}
 TARGET_SIZE = "small"
 # Wall clock, and the process's CPU time (all threads): on a machine shared with other jobs the
 # second barely moves with their load, the first does.
@@ -70,21 +75,25 @@ class Variants:
         self.size = size
         self.ours: dict[str, C.OursRunner] = {}
         acc = None
-        for name in ("sft", "dfsft"):
-            overrides = C.bench_overrides(scratch / name, data_path, METHOD_OF[name])
+        for name in OURS:
+            extra = LORA_OVERRIDES if name.endswith("_lora") else {}
+            overrides = C.bench_overrides(scratch / name, data_path, METHOD_OF[name], **extra)
             self.ours[name] = C.OursRunner(size.recipe, overrides, accelerator=acc, phases=phases)
-            acc = self.ours[name].accelerator  # one Accelerator for both runs
+            acc = self.ours[name].accelerator  # one Accelerator for all runs
         self.accelerator = acc
-        cfg = self.ours["sft"].run.config
-        self.bare = C.BareLoop(cfg, C.first_batch(data_path, cfg), acc.device, acc.mixed_precision, phases=phases)
+        batch = C.first_batch(data_path, self.ours["sft"].run.config)
+        self.bare = {
+            "bare": C.BareLoop(self.ours["sft"].run.config, batch, acc.device, acc.mixed_precision, phases=phases),
+            "bare_lora": C.BareLoop(self.ours["sft_lora"].run.config, batch, acc.device, acc.mixed_precision, phases=phases, lora=True),
+        }
 
     def steps(self, variant: str, n: int) -> list[float]:
-        if variant == "bare":
-            return self.bare.steps(n)
+        if variant in self.bare:
+            return self.bare[variant].steps(n)
         return self.ours[variant].steps(n)
 
     def transformer(self) -> torch.nn.Module:
-        return self.bare.model
+        return self.bare["bare"].model
 
 
 def measure_size(size: C.BenchSize, args: argparse.Namespace, scratch: Path, on_round: Any = None) -> dict:
@@ -162,9 +171,9 @@ def measure_size(size: C.BenchSize, args: argparse.Namespace, scratch: Path, on_
         if all(phase_steps[n] for n in VARIANTS):
             result["phases_s"] = phase_breakdown(phase_steps)
         # The Trainer's own view: how long each step waited for data.
-        for n in ("sft", "dfsft"):
+        for n in OURS:
             hist = v.ours[n].history[args.warmup :]
-            waits = [h["data_wait"] for h in hist]
+            waits = [h["data_wait"] for h in hist if "data_wait" in h]
             result.setdefault("trainer_data_wait_s", {})[n] = C.summarize(waits)
         return result
 
@@ -172,7 +181,7 @@ def measure_size(size: C.BenchSize, args: argparse.Namespace, scratch: Path, on_
         if r > 0 and args.time_budget is not None and time.perf_counter() - t_measure > args.time_budget:
             print(f"[{size.name}] time budget of {args.time_budget:.0f}s spent: stopping after {r} rounds", flush=True)
             break
-        order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
+        order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
         for name in order:
             if on_cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -192,6 +201,7 @@ def measure_size(size: C.BenchSize, args: argparse.Namespace, scratch: Path, on_
             on_round(build_result())
 
     result = build_result()
+    result["optimizer_impls"] = optimizer_impls(v.transformer(), steps=max(3, steps), rounds=max(2, min(args.rounds, 4)))
     if args.profile:
         result["profile"] = profile_variants(v, args.profile_steps)
     del v
@@ -200,6 +210,59 @@ def measure_size(size: C.BenchSize, args: argparse.Namespace, scratch: Path, on_
         torch.cuda.empty_cache()
     C.reset_accelerate_state()
     return result
+
+
+def optimizer_impls(model: torch.nn.Module, *, steps: int, rounds: int) -> dict:
+    """AdamW's step over every parameter of `model` (random gradients) in each implementation torch
+    has on the device (for-loop, foreach, fused), interleaved round by round: median seconds per step
+    and the ratio to the for-loop one. Each works on its own copy of the parameters."""
+    impls = {}
+    for impl in ("for_loop", "foreach", "fused"):
+        params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        for q in params:
+            q.grad = torch.randn_like(q) * 1e-3
+        kwargs = {"foreach": False} if impl == "for_loop" else {impl: True}
+        try:
+            opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, **kwargs)
+            opt.step()  # allocates the state
+        except (RuntimeError, ValueError) as err:
+            impls[impl] = {"error": f"{type(err).__name__}: {err}"}
+            continue
+        impls[impl] = {"opt": opt, "times": []}
+    runnable = [k for k, v in impls.items() if "opt" in v]
+    for r in range(rounds):
+        for impl in runnable[r % len(runnable):] + runnable[: r % len(runnable)]:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                impls[impl]["opt"].step()
+                C.synchronize()
+                impls[impl]["times"].append(time.perf_counter() - t0)
+    out = {}
+    base = C.summarize(impls["for_loop"]["times"])["median"] if "opt" in impls["for_loop"] else None
+    for impl, v in impls.items():
+        if "error" in v:
+            out[impl] = v
+            continue
+        med = C.summarize(v["times"])
+        out[impl] = {"step_s": med, "over_for_loop": med["median"] / base if base else None}
+    out["parameters"] = sum(p.numel() for p in model.parameters())
+    out["tensors"] = sum(1 for _ in model.parameters())
+    return out
+
+
+def optimizer_impls_markdown(res: dict) -> str:
+    oi = res["optimizer_impls"]
+    rows = []
+    for impl in ("for_loop", "foreach", "fused"):
+        v = oi.get(impl, {})
+        if "error" in v:
+            rows.append([impl, "-", v["error"][:80]])
+        elif v:
+            rows.append([impl, f"{v['step_s']['median'] * 1000:.1f}", f"{v['over_for_loop']:.2f}"])
+    return (
+        f"AdamW step over all {oi['parameters']:,} parameters ({oi['tensors']} tensors), interleaved:\n\n"
+        + C.markdown_table(["implementation", "ms/step (median)", "/ for-loop"], rows)
+    )
 
 
 # Parts of our loop outside the model, timed separately (the rest is logging, telemetry, bookkeeping).
@@ -223,9 +286,10 @@ def phase_breakdown(phase_steps: dict[str, list[dict]]) -> dict:
                 row["other"] = row["rest_of_loop"] - sum(row[p] for p in LOOP_PARTS)
             rows.append(row)
         out[name] = {k: C.summarize([r[k] for r in rows]) for k in rows[0]}
-    bare_rest = out["bare"]["rest_of_loop"]["median"]
-    bare_step = out["bare"]["step"]["median"]
-    out["loop_cost_over_bare"] = {n: (out[n]["rest_of_loop"]["median"] - bare_rest) / bare_step for n in ("sft", "dfsft")}
+    out["loop_cost_over_bare"] = {
+        n: (out[n]["rest_of_loop"]["median"] - out[BARE_OF[n]]["rest_of_loop"]["median"]) / out[BARE_OF[n]]["step"]["median"]
+        for n in OURS
+    }
     return out
 
 
@@ -241,8 +305,8 @@ def phases_markdown(res: dict) -> str:
         "",
         "Rest of the loop = step - forward - backward - optimizer step, per step; for the bare loop it is the "
         "noise and the loss. Each column is a median over steps, so the parts need not add up exactly. "
-        f"Rest of the loop, ours minus bare, as a share of the bare step: SFT {over['sft'] * 100:+.2f}%, "
-        f"DFSFT {over['dfsft'] * 100:+.2f}%.",
+        "Rest of the loop, ours minus bare (LoRA: minus the bare LoRA loop), as a share of the bare step: "
+        + ", ".join(f"{n} {over[n] * 100:+.2f}%" for n in OURS) + ".",
     ])
 
 
@@ -272,15 +336,11 @@ def profile_markdown(profile: dict, top: int = 20) -> str:
     def ms(var: str, op: str) -> float:
         return profile[var]["ops"].get(op, {}).get("self_ms_per_step", 0.0)
 
-    ranked = sorted(names, key=lambda op: -max(ms("sft", op) - ms("bare", op), ms("dfsft", op) - ms("bare", op)))
-    rows = [
-        [f"`{op[:60]}`", f"{ms('bare', op):.1f}", f"{ms('sft', op):.1f}", f"{ms('dfsft', op):.1f}",
-         f"{ms('dfsft', op) - ms('sft', op):+.1f}"]
-        for op in ranked[:top]
-    ]
+    ranked = sorted(names, key=lambda op: -max(ms(n, op) - ms(BARE_OF[n], op) for n in OURS))
+    rows = [[f"`{op[:60]}`", *(f"{ms(n, op):.1f}" for n in VARIANTS), f"{ms('dfsft', op) - ms('sft', op):+.1f}"] for op in ranked[:top]]
     walls = " / ".join(f"{n} {profile[n]['wall_s_per_step'] * 1000:.0f}" for n in VARIANTS)
     head = f"Profiled wall ms/step (profiler on): {walls}\n\n"
-    return head + C.markdown_table(["op (self time)", "bare ms/step", "SFT ms/step", "DFSFT ms/step", "DFSFT-SFT"], rows)
+    return head + C.markdown_table(["op (self time)", *(f"{n} ms/step" for n in VARIANTS), "dfsft-sft"], rows)
 
 
 def to_markdown(payload: dict) -> str:
@@ -295,7 +355,7 @@ def to_markdown(payload: dict) -> str:
         "process's CPU time (all threads), which other jobs on a shared machine barely move.",
         "",
     ]
-    header = ["size", "clock", "bare s/step", "SFT s/step", "DFSFT s/step", "SFT / bare", "DFSFT / bare", "DFSFT / SFT"]
+    header = ["size", "clock", *(f"{n} s/step" for n in VARIANTS), *(f"{a} / {b}" for a, b in RATIOS)]
     rows = []
     for res in payload["sizes"]:
         label = f"{res['size']} ({'x'.join(map(str, res['latent_shape']))}, batch {res['batch_size']}, {res['tokens_per_step']} tokens)"
@@ -323,12 +383,16 @@ def to_markdown(payload: dict) -> str:
         lines.append(f"- {res['size']}: {extra}")
         waits = res["trainer_data_wait_s"]
         lines.append(
-            f"- {res['size']}: our step waited {waits['sft']['median'] * 1000:.1f} ms (SFT) / "
-            f"{waits['dfsft']['median'] * 1000:.1f} ms (DFSFT) for its batch (median; Trainer's data_wait)"
+            f"- {res['size']}: our step waited "
+            + " / ".join(f"{waits[n]['median'] * 1000:.1f} ms ({n})" for n in OURS if waits.get(n, {}).get("median") is not None)
+            + " for its batch (median; Trainer's data_wait)"
         )
     for res in payload["sizes"]:
         if "phases_s" in res:
             lines += ["", f"## Where a step's time goes, {res['size']} (median ms per step)", "", phases_markdown(res)]
+    for res in payload["sizes"]:
+        if "optimizer_impls" in res:
+            lines += ["", f"## Optimizer step by implementation, {res['size']}", "", optimizer_impls_markdown(res)]
     for res in payload["sizes"]:
         if "profile" in res:
             lines += ["", f"## Profile, {res['size']}", "", profile_markdown(res["profile"])]

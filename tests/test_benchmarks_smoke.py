@@ -48,7 +48,7 @@ def test_step_overhead_quick(tmp_path):
     (res,) = data["sizes"]
     assert res["size"] == "tiny" and res["latent_shape"] == [16, 6, 6, 6] and res["tokens_per_step"] == 2 * 3 * 3 * 6
     assert res["rounds"] == 2 and res["steps_per_round"] == 2
-    for variant in ("bare", "sft", "dfsft"):
+    for variant in ("bare", "sft", "dfsft", "bare_lora", "sft_lora"):
         stats = res["step_time_s"][variant]
         assert stats["n"] == 4 and _positive(stats["min"]) and stats["min"] <= stats["median"] <= stats["max"]
         assert len(res["round_mean_step_time_s"]["wall"][variant]) == 2
@@ -56,11 +56,18 @@ def test_step_overhead_quick(tmp_path):
         # forward + backward + optimizer fit inside the step
         inside = sum(phases[p]["median"] for p in ("forward", "backward", "optimizer"))
         assert 0 < inside <= phases["step"]["max"] + 1e-6
-    for key in ("sft/bare", "dfsft/bare", "dfsft/sft"):
+    for key in ("sft/bare", "dfsft/bare", "dfsft/sft", "sft_lora/bare_lora"):
         ratio = res["ratios"][key]["per_round"]
         assert ratio["n"] == 2 and _positive(ratio["median"])
         assert res["ratios"][key]["target"] is None  # targets are for the small size
-    assert "| tiny" in md and "SFT / bare" in md
+    assert "| tiny" in md and "sft / bare" in md and "sft_lora / bare_lora" in md
+    # The AdamW implementations side by side: each either ran or says why not.
+    impls = res["optimizer_impls"]
+    assert impls["parameters"] == res["params"]
+    assert _positive(impls["for_loop"]["step_s"]["median"]) and impls["for_loop"]["over_for_loop"] == 1.0
+    for impl in ("foreach", "fused"):
+        assert "error" in impls[impl] or _positive(impls[impl]["over_for_loop"])
+    assert "Optimizer step by implementation" in md
 
 
 def test_memory_quick(tmp_path):
