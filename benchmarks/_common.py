@@ -44,6 +44,7 @@ SIZE_RECIPES = {
     "tiny": "configs/tiny_finetune.yaml",
     "small": "configs/bench_small.yaml",
     "wan_1_3b": "configs/gpu_bench_1_3b.yaml",
+    "wan_14b": "configs/gpu_bench_14b.yaml",
 }
 
 

@@ -44,6 +44,17 @@ MODES = {
     "full-ckpt": {"lora": False, "ckpt": True},
     "lora": {"lora": True, "ckpt": False},
     "lora-ckpt": {"lora": True, "ckpt": True},
+    # The speed and memory options (README "Performance"): repeated-block compilation, and the
+    # frozen base stored in fp8 under LoRA.
+    "full-compile": {"lora": False, "ckpt": False, "overrides": {"training.model.compile": "blocks"}},
+    "full-ckpt-compile": {"lora": False, "ckpt": True, "overrides": {"training.model.compile": "blocks"}},
+    "lora-ckpt-fp8": {"lora": True, "ckpt": True, "overrides": {"models.student.storage_dtype": "float8_e4m3fn"}},
+}
+# Methods: SFT, DFSFT (bidirectional) and causal DFSFT (block-causal attention through FlexAttention).
+METHODS = {
+    "sft": ("finetune", {}),
+    "dfsft": ("dfsft", {}),
+    "dfsft_causal": ("dfsft", {"models.student.causal": True, "models.student.causal_attention_backend": "flex"}),
 }
 CKPT_TARGET = 0.40  # at least a 40% cut of activation memory at the small size
 GIB = 2**30
@@ -54,16 +65,17 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--size", default="small", choices=sorted(C.SIZE_RECIPES))
     p.add_argument("--groups", nargs="+", default=["modes", "frames", "batch"], choices=["modes", "frames", "batch"])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    p.add_argument("--methods", nargs="+", default=["sft"], choices=["sft", "dfsft"], help="methods of the modes group")
+    p.add_argument("--methods", nargs="+", default=["sft"], choices=list(METHODS), help="methods of the modes group")
     p.add_argument("--configs", nargs="+", metavar="METHOD:MODE", help="the modes group as a list, e.g. sft:full-ckpt dfsft:full-ckpt sft:lora-ckpt (instead of --methods x --modes)")
     p.add_argument("--frames", nargs="+", type=int, default=[4, 8, 16, 32], help="latent frames T of the frames group")
     p.add_argument("--frames-modes", nargs="+", default=["full", "full-ckpt"], choices=list(MODES))
-    p.add_argument("--frames-methods", nargs="+", default=["sft"], choices=["sft", "dfsft"], help="methods of the frames group")
+    p.add_argument("--frames-methods", nargs="+", default=["sft"], choices=list(METHODS), help="methods of the frames group")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4], help="batch sizes of the batch group")
     p.add_argument("--steps", type=int, default=2, help="steps per configuration: memory is read on the first, time is the median of the others")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
     p.add_argument("--quick", action="store_true", help="tiny size, full mode only, one step (smoke test)")
     p.add_argument("--out", type=Path, default=C.RESULTS_DIR)
+    p.add_argument("--name", default="memory", help="base name of the result files")
     p.add_argument("--work-dir", type=Path, default=C.WORK_DIR)
     p.add_argument("--worker", help=argparse.SUPPRESS)  # JSON spec: run one configuration here
     p.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
@@ -154,13 +166,15 @@ def run_worker(spec: dict, result_file: Path) -> None:
         "training.data.num_latent_t": spec["T"],
         "training.data.num_frames": None,
     }
-    if spec["ckpt"]:
-        extra["training.model.enable_gradient_checkpointing_type"] = "full"
-    if spec["lora"]:
-        extra["models.student.lora.enable"] = True
-    if spec["method"] == "dfsft" and spec.get("chunk_size"):
+    # Set both ways: a size's recipe may turn checkpointing or LoRA on itself.
+    extra["training.model.enable_gradient_checkpointing_type"] = "full" if spec["ckpt"] else None
+    extra["models.student.lora.enable"] = bool(spec["lora"])
+    method_name, method_overrides = METHODS[spec["method"]]
+    extra.update(method_overrides)
+    extra.update(spec.get("overrides") or {})
+    if method_name == "dfsft" and spec.get("chunk_size"):
         extra["method.chunk_size"] = spec["chunk_size"]
-    overrides = C.bench_overrides(Path(spec["out_dir"]), data_path, {"sft": "finetune", "dfsft": "dfsft"}[spec["method"]], **extra)
+    overrides = C.bench_overrides(Path(spec["out_dir"]), data_path, method_name, **extra)
     probe = MemoryProbe()
     runner = C.OursRunner(size.recipe, overrides, extra_callbacks=[probe])
     model = runner.accelerator.unwrap_model(runner.run.method.student.transformer)
@@ -180,6 +194,8 @@ def run_worker(spec: dict, result_file: Path) -> None:
         "activation_gb": (probe.peak_fwd_bwd - probe.setup_bytes) / GIB,
         "step_time_s": C.summarize(times[1:] if len(times) > 1 else times)["median"],
         "step_times_s": times,
+        "overrides": spec.get("overrides") or {},
+        "model_flops_per_step": C.model_flops_per_step(model, size),
         "memory_kind": "cuda allocated" if probe.on_cuda else "cpu rss",
     }
     if not probe.on_cuda:
@@ -205,8 +221,8 @@ def plan(args: argparse.Namespace) -> list[dict]:
         if args.configs:
             pairs = [tuple(c.split(":", 1)) for c in args.configs]
             for method, mode in pairs:
-                if method not in ("sft", "dfsft") or mode not in MODES:
-                    raise SystemExit(f"--configs {method}:{mode}: expected METHOD:MODE with METHOD sft|dfsft and MODE {'|'.join(MODES)}")
+                if method not in METHODS or mode not in MODES:
+                    raise SystemExit(f"--configs {method}:{mode}: expected METHOD:MODE with METHOD {'|'.join(METHODS)} and MODE {'|'.join(MODES)}")
         for method, mode in pairs:
             add("modes", f"{method} {mode}", mode, method, t0, b0)
     if "frames" in args.groups:
@@ -225,7 +241,7 @@ def run_config(spec: dict, args: argparse.Namespace, scratch: Path) -> dict:
     rows = max(4, 2 * spec["batch"])
     data_path, data_kind = C.prepare_dataset(args.work_dir, size, rows)
     chunk = None
-    if spec["method"] == "dfsft":
+    if METHODS[spec["method"]][0] == "dfsft":
         from fv_accel.config import load_config, parse_chunk_size
 
         # A chunk no longer than the clip (the tiny and small recipes' chunk fits their own T).
@@ -278,19 +294,21 @@ def to_markdown(payload: dict) -> str:
         "",
     ]
     header = ["configuration", "T", "batch", "tokens", "trainable params", "setup", "peak fwd/bwd", "peak step",
-              "activation", "grads", "s/step"]
+              "activation", "grads", "s/step", "tokens/s", "MFU"]
+    peak = payload.get("peak_flops")
     for group in ("modes", "frames", "batch"):
         rows = []
         for r in payload["results"]:
             if r["group"] != group:
                 continue
             if "error" in r:
-                rows.append([r["label"], r["T"], r["batch"], "-", "-", "-", "-", "-", r["error"][:60], "-", "-"])
+                rows.append([r["label"], r["T"], r["batch"], "-", "-", "-", "-", "-", r["error"][:60], "-", "-", "-", "-"])
                 continue
             rows.append(
                 [r["label"], r["T"], r["batch"], r["tokens_per_step"], f"{r['trainable_params'] / 1e6:.2f}M",
                  gb(r["setup_gb"]), gb(r["peak_fwd_bwd_gb"]), gb(r["peak_step_gb"]), gb(r["activation_gb"]),
-                 gb(r["grad_gb"]), f"{r['step_time_s']:.2f}"]
+                 gb(r["grad_gb"]), f"{r['step_time_s']:.2f}", f"{r['tokens_per_step'] / r['step_time_s']:.0f}",
+                 f"{r['model_flops_per_step'] / r['step_time_s'] / peak:.1%}" if peak and r.get("model_flops_per_step") else "-"]
             )
         if rows:
             lines += [f"## {group}", "", C.markdown_table(header, rows), ""]
@@ -340,6 +358,7 @@ def make_payload(args: argparse.Namespace, argv: list[str], machine: dict, resul
         "memory_kind": ", ".join(sorted(kinds)) or "none measured",
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
         "results": results,
+        "peak_flops": C.peak_flops(),
         "checkpointing_cut": checkpointing_cuts(results),
         "checkpointing_cut_without_grads": checkpointing_cuts(results, without_grads=True),
         "target_checkpointing_cut": CKPT_TARGET,
@@ -361,7 +380,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             results.append(res)
             # Written after every configuration: a time limit leaves the ones already measured.
             partial = make_payload(args, argv, machine, results)
-            C.write_results(args.out, "memory", partial, to_markdown(partial))
+            C.write_results(args.out, args.name, partial, to_markdown(partial))
             if "error" in res:
                 print(f"[memory] {spec['label']}: {res['error']}", flush=True)
             else:
@@ -372,7 +391,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 )
     payload = make_payload(args, argv, machine, results)
     md = to_markdown(payload)
-    paths = C.write_results(args.out, "memory", payload, md)
+    paths = C.write_results(args.out, args.name, payload, md)
     print(md)
     print(f"wrote {paths[0]} and {paths[1]}")
     return payload
