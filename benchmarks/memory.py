@@ -50,11 +50,12 @@ MODES = {
     "full-ckpt-compile": {"lora": False, "ckpt": True, "overrides": {"training.model.compile": "blocks"}},
     "lora-ckpt-fp8": {"lora": True, "ckpt": True, "overrides": {"models.student.storage_dtype": "float8_e4m3fn"}},
 }
-# Methods: SFT, DFSFT (bidirectional) and causal DFSFT (block-causal attention through FlexAttention).
+# Methods: SFT, DFSFT (bidirectional) and causal DFSFT (block-causal attention; backend auto:
+# FlexAttention on CUDA, forward and backward; the chunked path on CPU, where flex has no backward).
 METHODS = {
     "sft": ("finetune", {}),
     "dfsft": ("dfsft", {}),
-    "dfsft_causal": ("dfsft", {"models.student.causal": True, "models.student.causal_attention_backend": "flex"}),
+    "dfsft_causal": ("dfsft", {"models.student.causal": True, "models.student.causal_attention_backend": "auto"}),
 }
 CKPT_TARGET = 0.40  # at least a 40% cut of activation memory at the small size
 GIB = 2**30
