@@ -99,9 +99,10 @@ class EmaWeights:
     @torch.no_grad()
     def update(self) -> None:
         weight = 1.0 - self.decay
-        for s, p in zip(self.shadow, self.params):
-            # lerp: s + (1 - decay) * (p - s) = decay * s + (1 - decay) * p
-            s.lerp_(_local(p.detach()).to(device=s.device, dtype=torch.float32), weight)
+        sources = [_local(p.detach()).to(device=s.device, dtype=torch.float32) for s, p in zip(self.shadow, self.params)]
+        # lerp: s + (1 - decay) * (p - s) = decay * s + (1 - decay) * p, over all tensors at once
+        # (one kernel launch per group of tensors on an accelerator; the same values as per tensor).
+        torch._foreach_lerp_(self.shadow, sources, weight)
         self.num_updates += 1
 
     @contextlib.contextmanager

@@ -34,6 +34,24 @@ def test_ema_update_and_swap_are_exact():
         EmaWeights([p], decay=1.0)
 
 
+def test_ema_update_over_all_tensors_equals_lerp_per_tensor():
+    from fv_accel.ema import EmaWeights
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((5, 3), (7,), (2, 3, 4))]
+    ema = EmaWeights(params, decay=0.9, device=torch.device("cpu"))
+    reference = [p.detach().clone() for p in params]
+    for _ in range(3):
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=g))
+        ema.update()
+        for r, p in zip(reference, params):
+            r.lerp_(p.detach(), 1.0 - 0.9)
+    for s, r in zip(ema.shadow, reference):
+        assert torch.equal(s, r)
+
+
 def test_ema_callback_skips_steps_the_trainer_skipped():
     from fv_accel.ema import EmaCallback
 
