@@ -470,6 +470,8 @@ class Trainer:
         steps_in_backward = self.steps_in_backward
         nan_policy = resolve_nan_policy(cfg, steps_in_backward)
         max_skips = cfg.training.loop.max_consecutive_skips
+        # The processes of one context-parallel group train on the same samples.
+        data_parallel = acc.num_processes // cfg.training.model.context_parallel.degree
 
         from fv_accel.telemetry import Telemetry
 
@@ -585,7 +587,7 @@ class Trainer:
             # Means over data-parallel ranks (FastVideo logged rank 0's alone).
             reduced = {name: acc.reduce(v.to(acc.device), reduction="mean") for name, v in loss_sums.items()}
             reduced.update({name: acc.reduce(v.to(acc.device), reduction="mean") for name, v in metric_sums.items()})
-            global_samples = samples * acc.num_processes
+            global_samples = samples * data_parallel
             samples_run += global_samples
             logs = {name: float(v) for name, v in reduced.items()}
             logs["loss"] = logs["total_loss"]
@@ -595,11 +597,11 @@ class Trainer:
             logs["step_time"] = step_time
             logs["data_wait"] = data_wait
             logs["samples_per_s"] = global_samples / step_time
-            logs["latent_tokens_per_s"] = tokens * acc.num_processes / step_time
+            logs["latent_tokens_per_s"] = tokens * data_parallel / step_time
             logs["epoch"] = self.dataloader.epoch
             logs["skipped_steps"] = self.skipped_steps
             logs.update(telemetry.step_metrics(step_time=step_time, samples=samples, tokens=tokens))
-            tokens_run += tokens * acc.num_processes
+            tokens_run += tokens * data_parallel
             self.history.append({"step": self.step, **logs})
             if self.step % log_every == 0 or self.step == max_steps:
                 self._log(logs, self.step)
