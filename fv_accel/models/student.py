@@ -248,10 +248,10 @@ class DiffusersStudent(ModelBase):
         from fv_accel.models.context_parallel import describe_layout, enable_context_parallel
 
         kind = accelerator.distributed_type
-        if kind not in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU, DistributedType.NO):
+        if kind == DistributedType.DEEPSPEED:
             raise ConfigError(
-                f"training.model.context_parallel: ulysses {cp.ulysses} x ring {cp.ring} runs under DDP only, "
-                f"not {kind.value}: launch with a DDP config"
+                f"training.model.context_parallel: ulysses {cp.ulysses} x ring {cp.ring} runs under DDP or FSDP2, "
+                f"not DeepSpeed: launch with accelerate_configs/ddp.yaml or fsdp2.yaml"
             )
         if accelerator.num_processes < 2:
             raise ConfigError(
