@@ -485,10 +485,12 @@ def validate(cfg: RunConfig, source: str) -> None:
             f"{source}: key 'training.model.context_parallel.ring': {cp.ring}: ring attention is not supported "
             "(diffusers' native attention backend returns no log-sum-exp); use ulysses"
         )
-    if cp.degree > 1 and cfg.callbacks.validation.enable:
+    val = cfg.callbacks.validation
+    if cp.degree > 1 and val.enable and cfg.models.student.causal and (val.prompts or val.prompt_file):
+        # A causal student samples block by block over a KV cache, which the Ulysses split does not serve.
         raise ConfigError(
-            f"{source}: key 'callbacks.validation.enable': true with training.model.context_parallel "
-            f"(ulysses {cp.ulysses}): validation does not run under context parallelism; set it to false"
+            f"{source}: key 'callbacks.validation.prompts': sample videos of a causal student do not run under "
+            f"training.model.context_parallel (ulysses {cp.ulysses}); remove the prompts (the held-out loss runs)"
         )
     if cfg.training.tracker.log_every < 1:
         raise bad("training.tracker.log_every", cfg.training.tracker.log_every, "an integer >= 1")

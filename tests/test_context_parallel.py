@@ -1,8 +1,7 @@
 """Context parallelism (`training.model.context_parallel`, fv_accel/models/context_parallel.py).
 
-The multi-process test launches 2 CPU processes (gloo, DDP) with Ulysses 2, so data parallel 1: both
-processes train on the same samples, each holding half of every sequence, and must end where one
-process ends on its own. The rest checks the recipe keys and the refusals, in one process.
+Here, in one process: the recipe keys, the layout and the refusals. The two-process runs (Ulysses 2
+under DDP and FSDP2 against one process) share the launches of tests/test_distributed.py.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 from diffusers import CosmosTransformer3DModel, WanTransformer3DModel
-from safetensors.torch import load_file
 
 from fv_accel.config import ConfigError, ContextParallel, default_recipe, load_config
 from fv_accel.models.context_parallel import (
@@ -28,8 +26,6 @@ from fv_accel.tiny.cosmos2 import TINY_COSMOS2_TRANSFORMER_CONFIG
 from fv_accel.tiny.model import tiny_transformer_config
 
 CP = "training.model.context_parallel"
-# The tiny recipes validate; validation does not run under context parallelism.
-NO_VALIDATION = {"callbacks.validation.enable": False}
 
 
 # ---- recipe keys ----
@@ -38,7 +34,7 @@ NO_VALIDATION = {"callbacks.validation.enable": False}
 def test_context_parallel_is_off_by_default():
     cp = load_config(default_recipe("finetune")).training.model.context_parallel
     assert (cp.ulysses, cp.ring, cp.degree) == (1, 1, 1)
-    cp = load_config(default_recipe("finetune"), {f"{CP}.ulysses": 2, **NO_VALIDATION}).training.model.context_parallel
+    cp = load_config(default_recipe("finetune"), {f"{CP}.ulysses": 2}).training.model.context_parallel
     assert (cp.ulysses, cp.ring, cp.degree) == (2, 1, 2)
 
 
@@ -57,9 +53,11 @@ def test_bad_context_parallel_keys_are_refused(key, value, needle):
     assert "\n" not in str(err.value)
 
 
-def test_validation_is_refused_under_context_parallel():
-    with pytest.raises(ConfigError, match="callbacks.validation.enable': true with training.model.context_parallel"):
-        load_config(default_recipe("finetune"), {f"{CP}.ulysses": 2, "callbacks.validation.enable": True})
+def test_causal_sample_videos_are_refused_under_context_parallel():
+    load_config(default_recipe("finetune"), {f"{CP}.ulysses": 2})  # held-out loss and videos of a full-attention student
+    with pytest.raises(ConfigError, match="'callbacks.validation.prompts': sample videos of a causal student"):
+        load_config(default_recipe("dfsft"), {f"{CP}.ulysses": 2, "models.student.causal": True})
+    load_config(default_recipe("dfsft"), {f"{CP}.ulysses": 2, "models.student.causal": True, "callbacks.validation.prompts": []})
 
 
 # ---- the layout ----
@@ -103,7 +101,7 @@ def test_student_refuses_deepspeed_and_one_process(tmp_path):
 
     cfg = load_config(
         default_recipe("finetune"),
-        {f"{CP}.ulysses": 2, "training.checkpoint.output_dir": str(tmp_path / "out"), **NO_VALIDATION},
+        {f"{CP}.ulysses": 2, "training.checkpoint.output_dir": str(tmp_path / "out")},
     )
     student = build_student(cfg)
     acc = types.SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2, is_main_process=True)
@@ -113,43 +111,3 @@ def test_student_refuses_deepspeed_and_one_process(tmp_path):
     with pytest.raises(ConfigError, match="needs 2 processes"):
         student.enable_context_parallel(acc, cfg.training.model.context_parallel)
     assert student.gradient_scale == 1.0
-
-
-# ---- two processes ----
-
-
-@pytest.mark.multiproc
-def test_ulysses_two_processes_equal_one_process(tmp_path, tiny_data_path):
-    """Ulysses 2 on 2 processes (data parallel 1) == 1 process on the same samples: full SFT at batch 2
-    with the per-rank noise generator, and block-causal DFSFT with LoRA at batch 1."""
-    from tests.test_distributed import RECIPES, WEIGHT_TOL, _single_process, launch, max_diff, overrides
-
-    runs = {
-        "finetune": {"training.data.train_batch_size": 2, "training.loop.noise_rng": "rank"},
-        "dfsft": {"training.data.train_batch_size": 1, "models.student.causal": True, "models.student.lora.enable": True},
-    }
-    cp = {f"{CP}.ulysses": 2}
-    specs = [
-        {"name": f"{m}_cp", "recipe": RECIPES[m], "engine": "launch", "overrides": overrides(tmp_path / f"{m}_cp", **extra, **cp)}
-        for m, extra in runs.items()
-    ]
-    records = launch("accelerate_configs/cpu_2proc.yaml", specs, tmp_path)
-    for method, extra in runs.items():
-        ranks = records[f"{method}_cp"]
-        assert [r["context_parallel"] for r in ranks] == [
-            {"ulysses": 2, "ring": 1, "group_rank": 0}, {"ulysses": 2, "ring": 1, "group_rank": 1}
-        ]
-        one, w_one = _single_process(f"{method}_one", method, tmp_path, **extra)
-        assert one["context_parallel"] is None
-        folder = tmp_path / "records" / f"{method}_cp"
-        w_rank0, w_rank1 = (load_file(str(folder / f"rank{r}.safetensors")) for r in (0, 1))
-        assert max_diff(w_rank0, w_rank1) == 0.0
-        assert max_diff(w_rank0, load_file(str(folder / "init.safetensors"))) > 1e-3  # it trained
-        assert max_diff(w_rank0, w_one) < WEIGHT_TOL
-        for step in range(len(one["steps"])):
-            # Both processes of the CP group see the one-process samples, and its loss.
-            samples = one["steps"][step]["samples"]
-            assert ranks[0]["steps"][step]["samples"] == ranks[1]["steps"][step]["samples"] == samples
-            for rank in ranks:
-                assert rank["steps"][step]["local_loss"] == pytest.approx(one["steps"][step]["local_loss"], abs=1e-5)
-                assert rank["logged"][step]["loss"] == pytest.approx(one["logged"][step]["loss"], abs=1e-5)
