@@ -97,7 +97,8 @@ def test_token_count_not_divisible_is_refused():
 
 
 def test_student_refuses_deepspeed_and_one_process(tmp_path):
-    from fv_accel.models import build_student
+    from fv_accel.models import FAMILIES, build_student
+    from fv_accel.models.base import Capabilities
 
     cfg = load_config(
         default_recipe("finetune"),
@@ -111,3 +112,9 @@ def test_student_refuses_deepspeed_and_one_process(tmp_path):
     with pytest.raises(ConfigError, match="needs 2 processes"):
         student.enable_context_parallel(acc, cfg.training.model.context_parallel)
     assert student.gradient_scale == 1.0
+    # A family says whether it runs under context parallelism; only Wan's is validated.
+    assert sorted(name for name, fam in FAMILIES.items() if fam.capabilities.context_parallel) == ["wan"]
+    student.capabilities = Capabilities(per_frame_timesteps=True)
+    acc = types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2, is_main_process=True)
+    with pytest.raises(ConfigError, match=r"the wan family \(WanTransformer3DModel\) does not run under context parallelism"):
+        student.enable_context_parallel(acc, cfg.training.model.context_parallel)

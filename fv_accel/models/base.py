@@ -23,6 +23,8 @@ class Capabilities:
     per_frame_timesteps: bool = False  # `forward` takes t as [B, T] (diffusion forcing needs it)
     causal_attention: bool = False  # block-causal self-attention can be installed
     image_conditioning: bool = False  # a first-frame (image-to-video) condition exists
+    # `training.model.context_parallel` splits its sequences (fv_accel/models/context_parallel.py).
+    context_parallel: bool = False
 
 
 @dataclass

@@ -247,6 +247,11 @@ class DiffusersStudent(ModelBase):
         from fv_accel.config import ConfigError
         from fv_accel.models.context_parallel import describe_layout, enable_context_parallel
 
+        if not self.capabilities.context_parallel:
+            raise ConfigError(
+                f"training.model.context_parallel: ulysses {cp.ulysses} x ring {cp.ring}: the {self.family} family "
+                f"({type(self.modules[0]).__name__}) does not run under context parallelism (wan does); remove the key"
+            )
         kind = accelerator.distributed_type
         if kind == DistributedType.DEEPSPEED:
             raise ConfigError(
