@@ -1,6 +1,6 @@
 """Context parallelism of a diffusers transformer (`training.model.context_parallel`).
 
-The processes form a mesh (data parallel, ring, ulysses), rank = dp * cp + ring * ulysses + u. The
+The processes form a mesh (data parallel, ring, ulysses): rank = d * (ring * ulysses) + r * ulysses + u. The
 `ring x ulysses` processes of one context-parallel (CP) group get the same batch, noise and timesteps;
 diffusers' own machinery (`ModelMixin.enable_parallelism` with the transformer's `_cp_plan`) splits
 its token sequence among them at the first block, runs attention as Ulysses (an all-to-all turns
@@ -21,14 +21,11 @@ left whole (`causal_cp_plan`). Ring attention is refused by the recipe check (fv
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
 
 from fv_accel.config import ConfigError
-
-logger = logging.getLogger(__name__)
 
 KEY = "training.model.context_parallel"
 
