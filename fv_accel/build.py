@@ -477,6 +477,7 @@ def build_from_config(
     from fv_accel.ema import check_ema_supported
     from fv_accel.methods import METHODS
     from fv_accel.models import build_student
+    from fv_accel.models.context_parallel import data_parallel_layout
     from fv_accel.optim import build_lr_scheduler, build_optimizer
     from fv_accel.output_dir import check_output_dir, claim_output_dir
 
@@ -512,8 +513,10 @@ def build_from_config(
     from fv_accel.validation import training_exclusions
 
     heldout_rows = training_exclusions(cfg, data_path)
+    # Data parallel ranks shard the data; the processes of one context-parallel group share a batch.
+    dp_size, dp_rank = data_parallel_layout(cfg.training.model.context_parallel, acc.num_processes, acc.process_index)
     loader = build_train_loader(
-        cfg, world_size=acc.num_processes, rank=acc.process_index, data_path=data_path, exclude_indices=heldout_rows
+        cfg, world_size=dp_size, rank=dp_rank, data_path=data_path, exclude_indices=heldout_rows
     )
     check_data_fits_model(loader.dataset, student, method)
     check_latent_stats(student, cfg, data_path)

@@ -192,6 +192,20 @@ class HubConfig:
 
 
 @dataclass
+class ContextParallel:
+    """Context parallelism through diffusers (`ModelMixin.enable_parallelism`): each sequence is
+    split across `ulysses * ring` processes, which see the same batch; the world size is data
+    parallel x ulysses x ring (fv_accel/models/context_parallel.py). 1 x 1: off."""
+
+    ulysses: int = 1
+    ring: int = 1
+
+    @property
+    def degree(self) -> int:
+        return self.ulysses * self.ring
+
+
+@dataclass
 class TrainingModelConfig:
     weighting_scheme: Literal["uniform", "logit_normal", "mode"] = "uniform"
     logit_mean: float = 0.0
@@ -199,6 +213,7 @@ class TrainingModelConfig:
     mode_scale: float = 1.0
     precondition_outputs: bool = False
     enable_gradient_checkpointing_type: Optional[Literal["full"]] = None
+    context_parallel: ContextParallel = field(default_factory=ContextParallel)
 
 
 @dataclass
@@ -458,6 +473,25 @@ def validate(cfg: RunConfig, source: str) -> None:
     tm = cfg.training.model
     if tm.logit_std < 0:
         raise bad("training.model.logit_std", tm.logit_std, "a number >= 0")
+    cp = tm.context_parallel
+    for name in ("ulysses", "ring"):
+        value = getattr(cp, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad(f"training.model.context_parallel.{name}", value, "an integer >= 1")
+    if cp.ring > 1:
+        # diffusers' ring attention merges partial results by their log-sum-exp, which its native
+        # SDPA backend (the one that runs on CPU and the one fv_accel's processors use) cannot return.
+        raise ConfigError(
+            f"{source}: key 'training.model.context_parallel.ring': {cp.ring}: ring attention is not supported "
+            "(diffusers' native attention backend returns no log-sum-exp); use ulysses"
+        )
+    val = cfg.callbacks.validation
+    if cp.degree > 1 and val.enable and cfg.models.student.causal and (val.prompts or val.prompt_file):
+        # A causal student samples block by block over a KV cache, which the Ulysses split does not serve.
+        raise ConfigError(
+            f"{source}: key 'callbacks.validation.prompts': sample videos of a causal student do not run under "
+            f"training.model.context_parallel (ulysses {cp.ulysses}); remove the prompts (the held-out loss runs)"
+        )
     if cfg.training.tracker.log_every < 1:
         raise bad("training.tracker.log_every", cfg.training.tracker.log_every, "an integer >= 1")
     for name in cfg.training.tracker.trackers:

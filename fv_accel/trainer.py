@@ -495,6 +495,8 @@ class Trainer:
         steps_in_backward = self.steps_in_backward
         nan_policy = resolve_nan_policy(cfg, steps_in_backward)
         max_skips = cfg.training.loop.max_consecutive_skips
+        # The processes of one context-parallel group train on the same samples.
+        data_parallel = acc.num_processes // cfg.training.model.context_parallel.degree
 
         from fv_accel.telemetry import Telemetry
 
@@ -609,9 +611,9 @@ class Trainer:
                     logger.warning("skipped step %d (%d skipped in all): %s", self.step, self.skipped_steps, fault)
             step_time = time.perf_counter() - t0
 
-            global_samples = samples * acc.num_processes
+            global_samples = samples * data_parallel
             samples_run += global_samples
-            tokens_run += tokens * acc.num_processes
+            tokens_run += tokens * data_parallel
             logs: dict[str, Any] = {}
             # Losses and metrics are read (a host sync, and a collective across processes) only on
             # the steps that log them: every log_every-th, the run's first and the last.
@@ -629,7 +631,7 @@ class Trainer:
             logs["step_time"] = step_time
             logs["data_wait"] = data_wait
             logs["samples_per_s"] = global_samples / step_time
-            logs["latent_tokens_per_s"] = tokens * acc.num_processes / step_time
+            logs["latent_tokens_per_s"] = tokens * data_parallel / step_time
             logs["epoch"] = self.dataloader.epoch
             logs["skipped_steps"] = self.skipped_steps
             logs.update(telemetry.step_metrics(step_time=step_time, samples=samples, tokens=tokens))

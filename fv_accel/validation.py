@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from fv_accel.models.base import Conditioning
+from fv_accel.models.context_parallel import data_parallel_layout
 from fv_accel.trainer import TrainerCallback
 
 logger = logging.getLogger(__name__)
@@ -376,7 +377,9 @@ class HeldoutLossCallback(TrainerCallback):
         acc = trainer.accelerator
         method = trainer.method
         chunk_size = chunk_size_of(method)
-        world, rank = acc.num_processes, acc.process_index
+        # The processes of one context-parallel group evaluate the same clips, together.
+        cp = trainer.config.training.model.context_parallel
+        world, rank = data_parallel_layout(cp, acc.num_processes, acc.process_index)
         # Every rank runs the same number of forwards (sharded engines need it): pad with weight 0.
         per_rank = math.ceil(len(self.rows) / world)
         sums: Optional[torch.Tensor] = None
@@ -409,7 +412,7 @@ class HeldoutLossCallback(TrainerCallback):
                     if real:
                         sums[j] += loss.double()
         assert sums is not None  # every rank has per_rank >= 1 slots (the held-out set is never empty)
-        total = acc.reduce(sums, reduction="sum") if world > 1 else sums
+        total = acc.reduce(sums, reduction="sum") / cp.degree if acc.num_processes > 1 else sums
         means = (total / len(self.rows)).tolist()
         out = dict(zip(keys, means))
         bucket_keys = [k for k in keys if k.startswith("heldout/sigma_")]
@@ -594,8 +597,9 @@ class VideoSamplingCallback(TrainerCallback):
         self.condition: Optional[dict] = None
 
     def _samples_here(self, acc: Any) -> bool:
-        # Sharded weights need every rank in each forward; otherwise the main process samples alone.
-        return acc.is_main_process or is_sharded(acc)
+        # Sharded weights and context parallelism need every rank in each forward; otherwise the
+        # main process samples alone.
+        return acc.is_main_process or is_sharded(acc) or self.cfg.training.model.context_parallel.degree > 1
 
     def _load(self, trainer: Any) -> None:
         """Load the student family's VAE (kept on the CPU between validations) and encode every prompt

@@ -56,6 +56,14 @@ def save_weights(module: torch.nn.Module, path: Path) -> None:
     save_file({k: v.detach().float().cpu().contiguous() for k, v in module.state_dict().items()}, str(path))
 
 
+def _context_parallel_of(model: torch.nn.Module):
+    parallel = getattr(model, "_parallel_config", None)
+    cp = getattr(parallel, "context_parallel_config", None)
+    if cp is None:
+        return None
+    return {"ulysses": cp.ulysses_degree, "ring": cp.ring_degree, "group_rank": cp._flattened_mesh.get_local_rank()}
+
+
 def run_one(spec: dict, out_root: Path) -> dict:
     from fv_accel.build import build_accelerator, build_from_config
     from fv_accel.config import load_config
@@ -115,6 +123,8 @@ def run_one(spec: dict, out_root: Path) -> dict:
         "timestep_dtypes": sorted(seen["timestep"]),
         "block_compute_dtypes": sorted(seen["block"]),
         "start_step": run.start_step,
+        # diffusers' context-parallel config on the transformer (None: the sequence is not split).
+        "context_parallel": _context_parallel_of(unwrapped),
         "steps": [
             {
                 "step": s,

@@ -33,6 +33,25 @@ STEPS = 3
 WEIGHT_TOL = 1e-5
 LORA = {"training.data.train_batch_size": 1, "models.student.lora.enable": True}
 LORA_FILE = "pytorch_lora_weights.safetensors"
+# Context parallelism: Ulysses 2 on the 2 processes (data parallel 1), against one process.
+ULYSSES2 = {"training.model.context_parallel.ulysses": 2}
+CAUSAL = {"models.student.causal": True, "training.data.train_batch_size": 1}
+ULYSSES_RUNS = {
+    # Full SFT at batch 2 with the per-rank noise generator, held-out loss and a sample video at the end.
+    "finetune_ulysses2": (
+        "finetune",
+        {
+            "training.data.train_batch_size": 2,
+            "training.loop.noise_rng": "rank",
+            "callbacks.validation.enable": True,
+            "callbacks.validation.at_start": False,
+            "callbacks.validation.prompts": ["a white square moving up on a light background"],
+            "callbacks.validation.sampling_steps": 2,
+        },
+    ),
+    # Block-causal DFSFT with LoRA.
+    "dfsft_causal_lora_ulysses2": ("dfsft", {**CAUSAL, **LORA}),
+}
 
 
 def _driver():
@@ -123,6 +142,10 @@ def ddp_runs(tmp_path_factory, tiny_data_path):
             "overrides": overrides(root / "dfsft_lora_2proc", **LORA),
         }
     )
+    runs += [
+        {"name": name, "recipe": RECIPES[method], "engine": "launch", "overrides": overrides(root / name, **extra, **ULYSSES2)}
+        for name, (method, extra) in ULYSSES_RUNS.items()
+    ]
     return root, launch("accelerate_configs/cpu_2proc.yaml", runs, root)
 
 
@@ -157,6 +180,13 @@ def fsdp_runs(tmp_path_factory, tiny_data_path):
                 **common,
                 **{"training.loop.mixed_precision": "bf16", "training.loop.max_train_steps": 2},
             ),
+        },
+        {
+            # Context parallelism under FSDP2 (with the launch's activation checkpointing).
+            "name": "dfsft_causal_ulysses2_fsdp2",
+            "recipe": RECIPES["dfsft"],
+            "engine": "fsdp2",
+            "overrides": overrides(root / "dfsft_causal_ulysses2_fsdp2", **CAUSAL, **ULYSSES2),
         },
         {
             "name": "finetune_fsdp2_resumed",
@@ -226,6 +256,55 @@ def test_two_processes_equal_one_process(method, ddp_runs, tmp_path):
         assert written[step + 1] == pytest.approx(mean_of_ranks, abs=1e-6)
     # The two ranks' losses differ (different samples): the mean is not one rank's value.
     assert abs(ranks[0]["steps"][0]["local_loss"] - ranks[1]["steps"][0]["local_loss"]) > 1e-4
+
+
+def metrics_values(output_dir: str, key: str) -> dict[int, float]:
+    lines = (Path(output_dir) / "logs" / "metrics.jsonl").read_text().splitlines()
+    return {rec["step"]: rec[key] for rec in map(json.loads, lines) if key in rec}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(ULYSSES_RUNS))
+def test_ulysses_two_processes_equal_one_process(name, ddp_runs, tmp_path):
+    """Ulysses 2 on 2 processes: both hold half of every sequence of the same samples, and end where
+    one process ends alone (losses, weights; for SFT also the held-out loss)."""
+    method, extra = ULYSSES_RUNS[name]
+    root, records = ddp_runs
+    ranks = records[name]
+    assert [r["context_parallel"] for r in ranks] == [
+        {"ulysses": 2, "ring": 1, "group_rank": 0}, {"ulysses": 2, "ring": 1, "group_rank": 1}
+    ]
+    one, w_one = _single_process(f"{name}_one_process", method, tmp_path, **extra)
+    assert one["context_parallel"] is None
+    folder = root / "records" / name
+    w_rank0, w_rank1 = (load_file(str(folder / f"rank{r}.safetensors")) for r in (0, 1))
+    assert max_diff(w_rank0, w_rank1) == 0.0
+    assert max_diff(w_rank0, load_file(str(folder / "init.safetensors"))) > 1e-3  # it trained
+    assert max_diff(w_rank0, w_one) < WEIGHT_TOL
+    for step in range(STEPS):
+        samples = one["steps"][step]["samples"]
+        assert ranks[0]["steps"][step]["samples"] == ranks[1]["steps"][step]["samples"] == samples
+        for rank in ranks:
+            assert rank["steps"][step]["local_loss"] == pytest.approx(one["steps"][step]["local_loss"], abs=1e-5)
+            assert rank["logged"][step]["loss"] == pytest.approx(one["logged"][step]["loss"], abs=1e-5)
+    if extra.get("callbacks.validation.enable"):
+        heldout = metrics_values(ranks[0]["output_dir"], "heldout/loss")
+        assert sorted(heldout) == [STEPS]
+        assert heldout[STEPS] == pytest.approx(metrics_values(one["output_dir"], "heldout/loss")[STEPS], abs=1e-5)
+        assert len(list((Path(ranks[0]["output_dir"]) / "samples" / f"step-{STEPS}").glob("*.mp4"))) == 1
+
+
+@pytest.mark.multiproc
+def test_ulysses_under_fsdp2_equals_one_process(fsdp_runs, tmp_path):
+    root, records = fsdp_runs
+    ranks = records["dfsft_causal_ulysses2_fsdp2"]
+    assert [(r["is_fsdp2"], r["context_parallel"]["ulysses"]) for r in ranks] == [(True, 2), (True, 2)]
+    one, w_one = _single_process("dfsft_causal_one_process", "dfsft", tmp_path, **CAUSAL)
+    final = load_file(str(root / "dfsft_causal_ulysses2_fsdp2" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert max_diff(final, w_one) < WEIGHT_TOL
+    for step in range(STEPS):
+        assert ranks[0]["steps"][step]["samples"] == ranks[1]["steps"][step]["samples"] == one["steps"][step]["samples"]
+        assert ranks[0]["logged"][step]["loss"] == pytest.approx(one["logged"][step]["loss"], abs=1e-5)
 
 
 @pytest.mark.multiproc

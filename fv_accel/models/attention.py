@@ -371,7 +371,15 @@ def _apply_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Ten
 
 
 class CausalSelfAttnProcessor:
-    """Self-attention of a Wan / SkyReels-V2 block under the controller's block-causal rule."""
+    """Self-attention of a Wan / SkyReels-V2 block under the controller's block-causal rule.
+
+    Under context parallelism (`_parallel_config`, set by diffusers' `enable_parallelism`) the
+    block holds a slice of the tokens; the attention goes through diffusers' Ulysses all-to-all,
+    which gives it every token for a share of the heads, and there applies the rotary tables (left
+    whole by fv_accel.models.context_parallel.causal_cp_plan) and the block-causal rule unchanged.
+    """
+
+    _parallel_config = None
 
     def __init__(self, controller: "CausalAttention", layer_index: int):
         self.controller = controller
@@ -399,6 +407,10 @@ class CausalSelfAttnProcessor:
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
         query, key = attn.norm_q(query), attn.norm_k(key)
         query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
+        if self._parallel_config is not None:
+            out = self._attend_context_parallel(query, key, value, rotary_emb, layout)
+            out = attn.to_out[0](out.flatten(2, 3).type_as(query))
+            return attn.to_out[1](out)
         query = _apply_rotary(query, *rotary_emb)
         key = _apply_rotary(key, *rotary_emb)
         # [B, L, H, D] -> [B, H, L, D] for SDPA / FlexAttention.
@@ -407,6 +419,38 @@ class CausalSelfAttnProcessor:
         out = out.transpose(1, 2).flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
+
+    def _attend_context_parallel(self, query, key, value, rotary_emb, layout: TokenLayout) -> torch.Tensor:
+        """[B, L/cp, H, D] -> [B, L/cp, H, D] through diffusers' Ulysses attention, with an attention
+        function over the whole sequence (recomputed with autograd for the backward, as diffusers'
+        native SDPA backward does)."""
+        from diffusers.models.attention_dispatch import _templated_context_parallel_attention
+
+        if layout.kind == "kv_cache":
+            raise RuntimeError("block-causal attention with a KV cache does not run under context parallelism")
+        if rotary_emb[0].shape[1] != layout.num_frames * layout.tokens_per_frame:
+            raise RuntimeError("under context parallelism the rotary tables must stay whole (causal_cp_plan)")
+        controller, layer = self.controller, self.layer_index
+
+        def attend_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q, k = _apply_rotary(q, *rotary_emb), _apply_rotary(k, *rotary_emb)
+            out = controller.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout, layer)
+            return out.transpose(1, 2)
+
+        def forward_op(ctx, q, k, v, *args, _save_ctx: bool = True, **kwargs):
+            if _save_ctx:
+                ctx.save_for_backward(q, k, v)
+            return attend_whole(q, k, v)
+
+        def backward_op(ctx, grad_out, *args, **kwargs):
+            with torch.enable_grad():
+                q, k, v = (x.detach().requires_grad_(True) for x in ctx.saved_tensors)
+                return torch.autograd.grad(attend_whole(q, k, v), (q, k, v), grad_out)
+
+        return _templated_context_parallel_attention(
+            query, key, value, None, 0.0, False, None, False, False,
+            forward_op=forward_op, backward_op=backward_op, _parallel_config=self._parallel_config,
+        )
 
 
 # --------------------------------------------------------------------------------------------

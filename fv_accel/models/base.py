@@ -23,6 +23,8 @@ class Capabilities:
     per_frame_timesteps: bool = False  # `forward` takes t as [B, T] (diffusion forcing needs it)
     causal_attention: bool = False  # block-causal self-attention can be installed
     image_conditioning: bool = False  # a first-frame (image-to-video) condition exists
+    # `training.model.context_parallel` splits its sequences (fv_accel/models/context_parallel.py).
+    context_parallel: bool = False
 
 
 @dataclass
@@ -193,6 +195,10 @@ class ModelBase:
     def init_preprocessors(self, training_config: Any) -> None:
         """Read what preparing a batch needs (latent statistics). Called by the method."""
 
+    # Multiplies the loss before backward: under context parallelism each process's gradient is
+    # its tokens' share of the true one (fv_accel/models/context_parallel.py).
+    gradient_scale: float = 1.0
+
     def attach_accelerator(self, accelerator: Any) -> None:
         self.accelerator = accelerator
 
@@ -318,6 +324,8 @@ class ModelBase:
         """
         del ctx  # the diffusers student recomputes checkpointed activations without extra context
         grad_accum_rounds = max(1, int(grad_accum_rounds))
+        if self.gradient_scale != 1:
+            loss = loss * self.gradient_scale
         if self.accelerator is None:
             (loss / grad_accum_rounds).backward()
             return

@@ -225,6 +225,9 @@ class DiffusersStudent(ModelBase):
 
     def attach_accelerator(self, accelerator: Any) -> None:
         super().attach_accelerator(accelerator)
+        cp = self.run_config.training.model.context_parallel
+        if cp.degree > 1:
+            self.enable_context_parallel(accelerator, cp)
         if self.lora_enabled:
             from fv_accel.models.lora import register_adapter_checkpointing
 
@@ -236,6 +239,34 @@ class DiffusersStudent(ModelBase):
                 self.load_lora_files_state,
                 pipeline_cls=self.lora_pipeline_class(self.kind),
             )
+
+    def enable_context_parallel(self, accelerator: Any, cp: Any) -> None:
+        """Split the transformers' sequences across CP groups (fv_accel/models/context_parallel.py)."""
+        from accelerate.utils import DistributedType
+
+        from fv_accel.config import ConfigError
+        from fv_accel.models.context_parallel import describe_layout, enable_context_parallel
+
+        if not self.capabilities.context_parallel:
+            raise ConfigError(
+                f"training.model.context_parallel: ulysses {cp.ulysses} x ring {cp.ring}: the {self.family} family "
+                f"({type(self.modules[0]).__name__}) does not run under context parallelism (wan does); remove the key"
+            )
+        kind = accelerator.distributed_type
+        if kind == DistributedType.DEEPSPEED:
+            raise ConfigError(
+                f"training.model.context_parallel: ulysses {cp.ulysses} x ring {cp.ring} runs under DDP or FSDP2, "
+                f"not DeepSpeed: launch with accelerate_configs/ddp.yaml or fsdp2.yaml"
+            )
+        if accelerator.num_processes < 2:
+            raise ConfigError(
+                f"training.model.context_parallel: ulysses {cp.ulysses} x ring {cp.ring} needs {cp.degree} "
+                f"processes (a multiple of it), got 1: launch with accelerate launch --num_processes {cp.degree}"
+            )
+        enable_context_parallel(self.modules, cp, causal=self.causal_attention is not None)
+        self.gradient_scale = float(cp.degree)
+        if accelerator.is_main_process:
+            logger.info("%s", describe_layout(cp.ulysses, cp.ring, accelerator.num_processes))
 
     # ---- LoRA state (checkpoints and final files) ----
     def _unwrapped(self, accelerator: Any = None) -> torch.nn.Module:

@@ -247,7 +247,9 @@ class WanStudent(DiffusersStudent):
     pipeline_class_names = ("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline",
                             "SkyReelsV2Pipeline", "SkyReelsV2DiffusionForcingPipeline",
                             "SkyReelsV2ImageToVideoPipeline", "SkyReelsV2DiffusionForcingImageToVideoPipeline")
-    capabilities = Capabilities(per_frame_timesteps=True, causal_attention=True, image_conditioning=False)
+    capabilities = Capabilities(
+        per_frame_timesteps=True, causal_attention=True, image_conditioning=False, context_parallel=True
+    )
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
     comfyui_lora = True
     # REFERENCE.md section 1: FastVideo's default training shift of the Wan models.
@@ -316,7 +318,8 @@ class WanStudent(DiffusersStudent):
         self.uses_image_features = config.get("image_dim") is not None
         self.task = self._resolve_task(self.student_config)
         self.capabilities = Capabilities(
-            per_frame_timesteps=True, causal_attention=True, image_conditioning=self.task == "i2v"
+            per_frame_timesteps=True, causal_attention=True, image_conditioning=self.task == "i2v",
+            context_parallel=True,
         )
 
     def install_causal_attention(self, cfg: RunConfig) -> None:
