@@ -433,10 +433,9 @@ class BareLoop:
         if cfg.training.model.enable_gradient_checkpointing_type == "full":
             self.model.enable_gradient_checkpointing()
         self.model.train()
-        opt = cfg.training.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.learning_rate, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
-        )
+        from fv_accel.optim import build_optimizer
+
+        self.optimizer = build_optimizer(cfg, list(self.model.parameters()))  # ours too: the same kernel
         self.x0 = batch["vae_latent"].to(device=device, dtype=torch.float32)
         self.text = batch["text_embedding"].to(device=device, dtype=torch.float32)
         # The bare loop trains the Wan transformer: the Wan family's training shift.
