@@ -293,8 +293,11 @@ def configure_engine(acc, cfg: RunConfig, student) -> None:
     """Fit the engine `accelerate launch` chose to the recipe, before `prepare` (DDP needs nothing)."""
     from accelerate.utils import DistributedType
 
+    from fv_accel.optim import check_optimizer_engine
+
     check_gradient_accumulation(acc, cfg)  # also for an Accelerator the caller built
     if acc.distributed_type == DistributedType.DEEPSPEED:
+        check_optimizer_engine(cfg, "deepspeed")
         ds_config = configure_deepspeed(acc.state.deepspeed_plugin.deepspeed_config, cfg)
         # DeepSpeed casts the model to bf16/fp16 but not its inputs: the student must.
         for name, dtype in LOW_PRECISION.items():
@@ -306,6 +309,7 @@ def configure_engine(acc, cfg: RunConfig, student) -> None:
                 "FSDP1 is not supported: set fsdp_config.fsdp_version: 2 in the accelerate config "
                 "(see accelerate_configs/fsdp2.yaml)"
             )
+        check_optimizer_engine(cfg, "fsdp2")
         configure_fsdp2(acc.state.fsdp_plugin, acc.mixed_precision, student)
 
 

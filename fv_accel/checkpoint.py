@@ -53,6 +53,9 @@ PACKAGES = ("fv_accel", "torch", "accelerate", "diffusers", "transformers", "pef
 # Recipe sections that say where to write, what to keep, what to log and where to upload, not what to train:
 # a new value there is no recipe change.
 RESUME_BOOKKEEPING = ("training.checkpoint.", "training.tracker.", "training.hub.")
+# Recipe keys outside the method's math whose change a resume refuses unless allow_recipe_change,
+# with the value a checkpoint that predates the key ran with: an optimizer's state is not another's.
+REFUSED_RECIPE_KEYS = {"training.optimizer.name": "adamw"}
 # metadata.json keys a resume reads, with their types.
 REQUIRED_METADATA = {"step": int, "epoch": int, "data": dict, "accelerator_step": int, "config": dict, "math": dict}
 REQUIRED_DATA_POSITION = ("epoch", "step_in_epoch")
@@ -307,6 +310,10 @@ def recipe_changes(meta: dict, method: Any, cfg: Any) -> tuple[list[str], list[d
     old_cfg = _flatten(meta.get("config") or {})
     new_cfg = _flatten(json.loads(json.dumps(cfg.to_dict(), default=str)))
     math_lines, changes = [], []
+    for key, before in REFUSED_RECIPE_KEYS.items():
+        old, new = old_cfg.get(key, before), new_cfg.get(key)
+        if old != new:
+            math_lines.append(f"{key}: {old!r} in the checkpoint, {new!r} now")
     for key in sorted(set(old_math) | set(new_math)):
         old, new = old_math.get(key), new_math.get(key)
         if old != new:
@@ -324,10 +331,11 @@ def recipe_changes(meta: dict, method: Any, cfg: Any) -> tuple[list[str], list[d
 
 def check_resume_compatible(meta: dict, method: Any, cfg: Any, ckpt: str | Path) -> list[dict]:
     """Compare the checkpoint's recipe with the current one. A change to the method's math
-    (method name, chunk size, shift, timestep range) is refused unless
-    `training.checkpoint.allow_recipe_change`. Every other change takes effect from the next step:
-    the loop, loader and callbacks are built from this recipe, and `apply_optimizer_recipe` puts
-    its learning rate, schedule and AdamW settings into the restored optimizer and LR scheduler.
+    (method name, chunk size, shift, timestep range) or to the optimizer (`training.optimizer.name`)
+    is refused unless `training.checkpoint.allow_recipe_change`; a new optimizer then starts with
+    fresh state. Every other change takes effect from the next step: the loop, loader and callbacks
+    are built from this recipe, and `apply_optimizer_recipe` puts its learning rate, schedule and
+    optimizer settings into the restored optimizer and LR scheduler.
     Returns the changes (`{"key", "old", "new"}`), which the next checkpoints record."""
     math_lines, changes = recipe_changes(meta, method, cfg)
     if math_lines and not cfg.training.checkpoint.allow_recipe_change:
@@ -357,19 +365,20 @@ def _inner_scheduler(lr_scheduler: Any) -> Any:
     return getattr(lr_scheduler, "scheduler", lr_scheduler)
 
 
-def apply_optimizer_recipe(optimizer: Any, lr_scheduler: Any, cfg: Any) -> None:
+def apply_optimizer_recipe(optimizer: Any, lr_scheduler: Any, cfg: Any, settings: list[dict]) -> None:
     """Make the restored optimizer and LR schedule follow this recipe: the saved state brings back
     the moments and the step count, and with them the old learning rate (the scheduler's
-    `base_lrs`, the param groups' `initial_lr` and `lr`) and AdamW settings. The schedule's shape
-    (warm-up, length, cycles) already comes from this recipe: diffusers builds it as a function,
-    which no state dict holds. With an unchanged recipe this rewrites the same values."""
+    `base_lrs`, the param groups' `initial_lr` and `lr`) and optimizer settings. `settings` are the
+    param groups' settings of the optimizer this recipe built (`fv_accel.optim.settings_of`, read
+    before the load): they go back in, while running state kept in the groups (Prodigy's step-size
+    estimate) stays as restored. The schedule's shape (warm-up, length, cycles) already comes from
+    this recipe: diffusers builds it as a function, which no state dict holds. With an unchanged
+    recipe this rewrites the same values."""
     opt = cfg.training.optimizer
     groups = optimizer.param_groups
-    for group in groups:
+    for group, own in zip(groups, settings):
+        group.update(own)
         group["initial_lr"] = opt.learning_rate
-        group["betas"] = tuple(opt.betas)
-        group["eps"] = opt.eps
-        group["weight_decay"] = opt.weight_decay
     sched = _inner_scheduler(lr_scheduler)
     lambdas = getattr(sched, "lr_lambdas", None)
     if lambdas is None:
@@ -385,25 +394,22 @@ def apply_optimizer_recipe(optimizer: Any, lr_scheduler: Any, cfg: Any) -> None:
 
 
 def optimizer_record(optimizer: Any, lr_scheduler: Any) -> dict:
-    """The learning rate and AdamW settings in effect, read from the optimizer and scheduler."""
+    """The learning rate and the optimizer's settings and group state in effect, read from the
+    optimizer and scheduler."""
 
     def num(v: Any) -> Any:
-        return float(v) if isinstance(v, (int, float, torch.Tensor)) else v
+        if isinstance(v, torch.Tensor):
+            return float(v)
+        if isinstance(v, (tuple, list)):
+            return [num(x) for x in v]
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
     sched = _inner_scheduler(lr_scheduler)
     return {
+        "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "base_lrs": [num(v) for v in getattr(sched, "base_lrs", [])],
         "scheduler_steps": getattr(sched, "last_epoch", None),
-        "param_groups": [
-            {
-                "lr": num(g.get("lr")),
-                "initial_lr": num(g.get("initial_lr")),
-                "betas": [num(b) for b in g.get("betas", ())],
-                "eps": num(g.get("eps")),
-                "weight_decay": num(g.get("weight_decay")),
-            }
-            for g in optimizer.param_groups
-        ],
+        "param_groups": [{k: num(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
     }
 
 
@@ -581,14 +587,17 @@ def folder_bytes(folder: Path) -> int:
 
 def estimate_checkpoint_bytes(trainer: Any, out: Path) -> tuple[int, str]:
     """(bytes, what the estimate is based on) of the next checkpoint: the size of the latest one,
-    else the trainable weights, AdamW's two fp32 moments and the callbacks' state (EMA)."""
+    else the trainable weights, the optimizer's state and the callbacks' state (EMA)."""
+    from fv_accel.optim import optimizer_state_bytes
+
     previous = latest_checkpoint(out)
     if previous is not None:
         return folder_bytes(previous), f"the size of {previous.name}"
     params = trainer.method.student.trainable_parameters()
     weights = sum(p.numel() * p.element_size() for p in params)
-    moments = 8 * sum(p.numel() for p in params)
-    return weights + moments + trainer.callback_checkpoint_bytes(), "the trainable weights, AdamW's moments and the EMA"
+    opt = trainer.config.training.optimizer
+    state = optimizer_state_bytes(opt.name, [tuple(p.shape) for p in params], params[0].dtype, beta1=opt.betas[0])
+    return weights + state + trainer.callback_checkpoint_bytes(), "the trainable weights, the optimizer's state and the EMA"
 
 
 def _names_full_disk(err: BaseException) -> bool:
@@ -703,17 +712,34 @@ def load_checkpoint(trainer: Any, ckpt: Path) -> int:
     if stray:
         # Not written by us; Accelerate still loads them only with weights_only=True.
         logger.warning("%s holds pickle file(s) %s; they are loaded with weights_only=True only", ckpt, stray)
+    from fv_accel.optim import settings_of
+
+    settings = settings_of(trainer.method.optimizer)
+    saved_name = (((meta.get("config") or {}).get("training") or {}).get("optimizer") or {}).get(
+        "name", REFUSED_RECIPE_KEYS["training.optimizer.name"]
+    )
+    new_optimizer = saved_name != trainer.config.training.optimizer.name
+    optimizers = acc._optimizers
+    if new_optimizer:
+        # Allowed by training.checkpoint.allow_recipe_change: the saved state belongs to another optimizer.
+        logger.warning(
+            "resuming from %s with training.optimizer.name %s (the checkpoint ran %s): the optimizer starts with fresh state",
+            ckpt, trainer.config.training.optimizer.name, saved_name,
+        )
+        acc._optimizers = []
     try:
         acc.load_state(str(ckpt), load_kwargs={"weights_only": True})
     except Exception as err:  # noqa: BLE001 - one line naming the checkpoint
         raise damaged_checkpoint_error(ckpt, f"{type(err).__name__} while loading: {str(err).strip().splitlines()[0]}") from err
+    finally:
+        acc._optimizers = optimizers
     step = int(meta["step"])
     scheduler_steps = getattr(_inner_scheduler(trainer.method.lr_scheduler), "last_epoch", step)
     if scheduler_steps != step:
         raise damaged_checkpoint_error(
             ckpt, f"{ckpt / METADATA_NAME} says step {step}, but its LR scheduler state has taken {scheduler_steps} steps"
         )
-    apply_optimizer_recipe(trainer.method.optimizer, trainer.method.lr_scheduler, trainer.config)
+    apply_optimizer_recipe(trainer.method.optimizer, trainer.method.lr_scheduler, trainer.config, settings)
     acc.step = int(meta.get("accelerator_step", 0))
     state_file = rank_state_file(ckpt, acc.process_index)
     if state_file.is_file():

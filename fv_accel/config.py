@@ -8,6 +8,7 @@ values are errors that name the key and the file they came from.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import types
@@ -116,8 +117,22 @@ class DataConfig:
     tiny_cache_dir: Optional[str] = None
 
 
+# Optimizers that live in an optional library: name -> (module, pinned install).
+OPTIMIZER_LIBRARIES = {"adamw_8bit": ("bitsandbytes", "bitsandbytes==0.50.2"), "prodigy": ("prodigyopt", "prodigyopt==1.1.2")}
+
+
 @dataclass
 class OptimizerConfig:
+    # adamw: torch AdamW; adamw_8bit: bitsandbytes AdamW8bit; prodigy: prodigyopt Prodigy (its
+    # learning_rate scales the step it adapts, usually 1.0); adafactor: transformers' Adafactor
+    # with the recipe's learning rate (fv_accel/optim.py).
+    name: Literal["adamw", "adamw_8bit", "prodigy", "adafactor"] = "adamw"
+    # AdamW's kernel: auto takes fused where the parameters' device has it (CPU and CUDA do).
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    # Prodigy only (its own defaults).
+    prodigy_d_coef: float = 1.0
+    prodigy_safeguard_warmup: bool = False
+    prodigy_use_bias_correction: bool = False
     learning_rate: float = 1e-6
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
@@ -416,6 +431,18 @@ def validate(cfg: RunConfig, source: str) -> None:
         raise bad("training.optimizer.eps", opt.eps, "a number > 0")
     if opt.weight_decay < 0:
         raise bad("training.optimizer.weight_decay", opt.weight_decay, "a number >= 0")
+    if opt.implementation != "auto" and opt.name != "adamw":
+        raise bad("training.optimizer.implementation", opt.implementation, f"auto with name {opt.name!r} (it chooses AdamW's kernel)")
+    defaults = OptimizerConfig()
+    for key in ("prodigy_d_coef", "prodigy_safeguard_warmup", "prodigy_use_bias_correction"):
+        if opt.name != "prodigy" and getattr(opt, key) != getattr(defaults, key):
+            raise bad(f"training.optimizer.{key}", getattr(opt, key), f"its default with name {opt.name!r} (it applies to prodigy only)")
+    if not opt.prodigy_d_coef > 0:
+        raise bad("training.optimizer.prodigy_d_coef", opt.prodigy_d_coef, "a number > 0")
+    if opt.name in OPTIMIZER_LIBRARIES:
+        module, install = OPTIMIZER_LIBRARIES[opt.name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{source}: training.optimizer.name: {opt.name} needs {module} (pip install {install})")
     if opt.lr_warmup_steps < 0:
         raise bad("training.optimizer.lr_warmup_steps", opt.lr_warmup_steps, "an integer >= 0")
     loop = cfg.training.loop

@@ -346,12 +346,13 @@ def test_too_little_space_for_the_first_checkpoint_is_refused_before_writing(tmp
     real_usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=1000))
     params = run.method.student.trainable_parameters()
-    expected = sum(p.numel() for p in params) * (4 + 8 + 4)  # fp32 weights, AdamW's two moments, the EMA
+    # fp32 weights, AdamW's two moments and its step count per tensor, the EMA
+    expected = sum(p.numel() for p in params) * (4 + 8 + 4) + 4 * len(params)
     with pytest.raises(CheckpointError) as err:
         Trainer(run).run()
     assert str(err.value) == (
         f"not enough disk space to write checkpoint-2 in {out}: 1000 B free, about {expected / 1024:.1f} KiB needed "
-        "(the trainable weights, AdamW's moments and the EMA); free some space or move training.checkpoint.output_dir; "
+        "(the trainable weights, the optimizer's state and the EMA); free some space or move training.checkpoint.output_dir; "
         "no checkpoint was written"
     )
     assert not list(out.glob("*checkpoint*"))
