@@ -272,24 +272,44 @@ def _transformer_sources(cfg: RunConfig) -> list[tuple[Optional[dict], Optional[
 def read_transformer_configs(cfg: RunConfig) -> list[tuple[dict, str]]:
     """(config, where) of each transformer the run trains: inline, or the init_from's config.json
     (a local folder or the Hugging Face cache; HF_HUB_OFFLINE honoured). Raises EstimateUnavailable."""
-    from fv_accel.models.loading import ModelLoadError, fetch_config
-
     st = cfg.models.student
     out = []
     for inline, subfolder in _transformer_sources(cfg):
         if inline is not None:
             out.append((inline, "models.student.transformer_config"))
             continue
+        files = f"{subfolder + '/' if subfolder else ''}config.json vae/config.json"
+        missing = EstimateUnavailable(
+            f"needs the transformer's config.json ({st.init_from}/{subfolder or '.'}/config.json), not in the local "
+            f"folder or Hugging Face cache: `hf download {st.init_from} {files}` (a few KB, no weights) and run again"
+        )
+        if not _config_reachable(st.init_from, subfolder, st.revision):
+            raise missing  # said before the model families (diffusers) are imported
+        from fv_accel.models.loading import ModelLoadError, fetch_config
+
         try:
             config = fetch_config(st.init_from, subfolder, revision=st.revision, required=True)
-        except ModelLoadError as err:
-            raise EstimateUnavailable(
-                f"needs the transformer's config.json ({st.init_from}/{subfolder or '.'}/config.json), not reachable "
-                f"here: download it (`hf download {st.init_from} {subfolder + '/' if subfolder else ''}config.json`, a few KB; "
-                f"no weights needed) or point models.student.init_from at a local folder ({str(err).splitlines()[0][:160]})"
-            ) from None
+        except ModelLoadError:
+            raise missing from None
         out.append((config, f"{st.init_from}/{subfolder or '.'}/config.json"))
     return out
+
+
+def _config_reachable(model: str, subfolder: Optional[str], revision: Optional[str]) -> bool:
+    """Whether `<subfolder>/config.json` of a local folder or Hub id can be read: False only when it is
+    certainly not (offline and not in the Hugging Face cache)."""
+    if Path(model).exists():
+        return True
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    if not offline:
+        return True  # fetched (a few KB) by fetch_config
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, f"{subfolder}/config.json" if subfolder else "config.json", revision=revision)
+    except Exception:
+        return True  # not a Hub id: fetch_config says so
+    return isinstance(found, str)
 
 
 def _transformer_class(cfg: RunConfig, config: dict) -> type:
@@ -420,13 +440,18 @@ def _vae_factors_of_model(cfg: RunConfig) -> tuple[int, int, str]:
 
     st = cfg.models.student
     if st.init_from is not None:
-        try:
-            from fv_accel.models import family_of
+        from fv_accel.models import family_of
+        from fv_accel.models.loading import ModelLoadError
 
+        try:
             spec = family_of(cfg).encoding_spec(st.init_from, st.revision)
-            return int(spec.scale_factor_temporal), int(spec.scale_factor_spatial), "the model's VAE"
-        except Exception:
-            pass
+        except (ModelLoadError, ValueError, KeyError) as err:
+            del err
+            raise EstimateUnavailable(
+                f"activations need the VAE's compression from {st.init_from}/vae/config.json, not in the local folder "
+                f"or Hugging Face cache: `hf download {st.init_from} vae/config.json`"
+            ) from None
+        return int(spec.scale_factor_temporal), int(spec.scale_factor_spatial), f"{st.init_from}'s VAE"
     return VAE_TEMPORAL, VAE_SPATIAL, "Wan 2.1 VAE: 4x time, 8x space"
 
 
@@ -629,6 +654,11 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
                 block_weight_copy_bytes=block_copies,
             )
             activations = sum(parts.values())
+            if checkpointing and copies:
+                notes.append(
+                    "components summed: with checkpointing the autocast weight copies (forward) and the gradients "
+                    "(backward) are not all alive at once, so the peak can be lower by up to the smaller of the two"
+                )
             if len(shapes) > 1:
                 notes.append("two experts: activations of the one a step runs")
     return MemoryEstimate(

@@ -83,6 +83,7 @@ def _saved_bytes(cfg, tokens_hw, autocast: bool, ckpt: bool = False) -> float:
     return float(sum(seen.values()))
 
 
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_activation_formula_matches_what_autograd_saves(autocast, ckpt):
@@ -162,6 +163,9 @@ def test_largest_bucket_from_the_model_and_the_keys(tmp_path):
     assert low.census.total > est.census.total  # transformer_2 has 3 blocks
     lines = dry_run_lines(_cfg(**keys, **{"models.student.lora.enable": True}), {})
     assert "LoRA rank 16" in lines[0] and "48x5x4x6 latent = 30 tokens" in lines[0]
+    (tmp_path / "vae" / "config.json").unlink()  # the compression is unknown: said, not guessed
+    est = estimate_memory(_cfg(**keys), {})
+    assert est.activations is None and "vae/config.json" in est.activation_note and est.parameters > 0
 
 
 def test_dry_run_prints_the_estimate_as_comments(capsys):
@@ -178,7 +182,7 @@ def test_a_hub_recipe_offline_says_what_the_estimate_needs():
     cfg = load_config(REPO / "configs" / "wan2_1_t2v_1_3b_sft.yaml")
     (line,) = dry_run_lines(cfg, {})
     assert line.startswith("# memory estimate: needs the transformer's config.json")
-    assert "hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json" in line
+    assert "`hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json vae/config.json`" in line
 
 
 def _memory_benchmark():
@@ -202,6 +206,7 @@ def test_estimate_against_a_measured_step(tmp_path, monkeypatch):
     est = estimate_memory(cfg, {})
     assert est.census.trainable == result["trainable_params"]
     ratio = (est.activations + est.gradients) / 2**30 / measured
-    # Measured ratios 0.99-1.16 at 1560-12480 tokens (README "Performance"); RSS moves by tens of MB
+    # Measured: 1.08 on an idle machine, 1.32 at load 8-11 on 2 cores, whose runs start from a
+    # larger setup that the step partly reuses (README "Performance"); RSS moves by tens of MB
     # between runs of the same step.
-    assert 0.75 <= ratio <= 1.4, (ratio, measured)
+    assert 0.75 <= ratio <= 1.6, (ratio, measured)
