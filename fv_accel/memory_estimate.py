@@ -654,7 +654,7 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
                 block_weight_copy_bytes=block_copies,
             )
             activations = sum(parts.values())
-            if checkpointing and copies:
+            if checkpointing and copies > 0.05 * activations:
                 notes.append(
                     "components summed: with checkpointing the autocast weight copies (forward) and the gradients "
                     "(backward) are not all alive at once, so the peak can be lower by up to the smaller of the two"
