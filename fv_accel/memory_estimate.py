@@ -644,9 +644,13 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
                     block_copies = 2.0 * c.largest_block_matmul_not_bf16
                 else:
                     copies = 2.0 * c.matmul_weights_not_bf16
+            # Context parallelism splits each sequence's video tokens over ulysses x ring processes.
+            cp = getattr(getattr(cfg.training.model, "context_parallel", None), "degree", 1)
+            if cp > 1:
+                notes.append(f"context parallel degree {cp}: {math.ceil(bucket.tokens / cp):,} video tokens a process")
             parts = wan_activation_bytes(
                 shape,
-                tokens=bucket.tokens,
+                tokens=math.ceil(bucket.tokens / cp),
                 text_tokens=bucket.text_tokens,
                 act_bytes=act_bytes,
                 checkpointing=checkpointing,

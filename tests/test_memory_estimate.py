@@ -144,6 +144,8 @@ def test_engines_shard_what_they_shard():
                            {"WORLD_SIZE": "4", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"})
     assert (bf16.parameters, bf16.gradients, bf16.optimizer) == (2 * p, 2 * p / 4, 12 * p / 4)  # ZeRO paper's 2 + 2 + 12
     assert one.activations == ddp.activations == fsdp.activations
+    cp = estimate_memory(_cfg(**{"training.model.context_parallel.ulysses": 2}), {"WORLD_SIZE": "2"})
+    assert cp.activations < one.activations and cp.bucket.tokens == one.bucket.tokens
 
 
 def test_largest_bucket_from_the_model_and_the_keys(tmp_path):
