@@ -27,7 +27,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -705,6 +705,8 @@ def format_estimate(est: MemoryEstimate, cfg: RunConfig) -> list[str]:
         "bfloat16": "bf16 weights",
         "float16": "fp16 weights",
     }[st.torch_dtype]
+    if getattr(st, "storage_dtype", None):
+        master += f" ({st.storage_dtype} storage of the frozen layers)"
     mp = est.launch.mixed_precision
     mp_text = {"no": "fp32 compute", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}.get(mp, mp)
     if est.launch.engine == "DEEPSPEED" and mp in ("bf16", "fp16"):
