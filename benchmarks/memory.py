@@ -279,6 +279,31 @@ def run_config(spec: dict, args: argparse.Namespace, scratch: Path) -> dict:
     return result
 
 
+def measure(
+    size: str,
+    mode: str = "full",
+    *,
+    method: str = "sft",
+    T: Optional[int] = None,
+    batch: Optional[int] = None,
+    work_dir: Path = C.WORK_DIR,
+    timeout: float = 1800.0,
+    extra: Optional[dict] = None,
+) -> dict:
+    """One configuration measured in a fresh subprocess (the benchmark's own path): the result
+    dict of `run_worker`, or {"error": ...}. `extra`: more recipe overrides (e.g. mixed precision)."""
+    base = C.bench_size(size)
+    spec = {
+        "group": "modes", "label": f"{method} {mode}", "method": method, "mode": mode, **MODES[mode],
+        "T": T or base.latent_shape[1], "batch": batch or base.batch_size,
+    }
+    spec["overrides"] = {**(MODES[mode].get("overrides") or {}), **(extra or {})}
+    args = argparse.Namespace(size=size, work_dir=Path(work_dir), steps=1, timeout=timeout)
+    Path(work_dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix="memory-") as scratch:
+        return run_config(spec, args, Path(scratch))
+
+
 def gb(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.3f}"
 

@@ -17,6 +17,10 @@ def main(method: str, argv: Optional[list[str]] = None) -> int:
         return 2
     if flags["dry_run"]:
         print(cfg.to_yaml(), end="")
+        from fv_accel.memory_estimate import dry_run_lines
+
+        # Comment lines: the printed recipe stays valid YAML.
+        print("\n".join(dry_run_lines(cfg)))
         return 0
     from fv_accel.build import build_from_config
     from fv_accel.checkpoint import CheckpointError

@@ -1,0 +1,759 @@
+"""Memory a training process will need, estimated from the recipe without loading weights
+(printed by `--dry-run`).
+
+The transformer is built from its config on the `meta` device (accelerate's `init_empty_weights`),
+with LoRA injected by peft the way training injects it, so parameter counts are exact, per tensor:
+
+    parameters   every element x its storage bytes (recipe torch_dtype; a LoRA adapter in fp32;
+                 `models.student.storage_dtype` for the frozen layers diffusers' layerwise casting stores)
+    gradients    trainable elements x their bytes (DDP adds its gradient buckets: a second copy)
+    optimizer    per trainable tensor, by optimizer (OPTIMIZER_STATE_BYTES)
+    EMA          trainable elements x 4 (an fp32 shadow; `callbacks.ema.device: cpu` puts it in host memory)
+    activations  what autograd keeps for the largest bucket the data can produce (WAN_ACTIVATIONS)
+
+Sharding follows the launch: `accelerate launch` exports the engine (ACCELERATE_USE_FSDP /
+ACCELERATE_USE_DEEPSPEED with ACCELERATE_DEEPSPEED_ZERO_STAGE), the mixed precision and WORLD_SIZE.
+One process and DDP hold a full copy; FSDP2 divides parameters, gradients, optimizer state and the
+EMA by the processes; DeepSpeed follows the ZeRO paper's accounting (bf16: 2-byte weights and
+gradients, the fp32 master copy with the optimizer state; ZeRO-2 partitions gradients and optimizer,
+ZeRO-3 the weights too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from fv_accel.config import RunConfig
+
+MIB = 2**20
+GIB = 2**30
+
+STORAGE_BYTES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+class EstimateUnavailable(Exception):
+    """The estimate needs something the recipe does not reach (the model's config.json)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer state
+# --------------------------------------------------------------------------------------------
+
+
+def optimizer_state_bytes(name: str, shape: tuple[int, ...], itemsize: int, *, zero_init: bool = False) -> float:
+    """Bytes of optimizer state one trainable tensor of `shape` (elements of `itemsize` bytes) gets.
+
+    - adamw: exp_avg + exp_avg_sq, like the parameter (torch.optim.AdamW): 2 x itemsize per element.
+    - adamw_8bit: bitsandbytes' AdamW8bit: two uint8 states with one fp32 absmax per 256-element
+      block each (2 + 8/256 bytes an element); tensors under 4096 elements keep fp32 states (8 bytes).
+    - prodigy: prodigyopt 1.1.2 keeps exp_avg, exp_avg_sq, s and p0 like the parameter (slice_p 1:
+      4 x itemsize an element); p0 is a scalar for a tensor that starts at zero (LoRA's B).
+    - adafactor: factored second moments for 2-D and larger tensors (rows: prod(shape[:-1]),
+      columns: prod(shape[:-2]) x shape[-1], fp32), the full second moment for 1-D; no first moment.
+    """
+    n = math.prod(shape)
+    if name == "adamw":
+        return 2.0 * itemsize * n
+    if name == "adamw_8bit":
+        if n < 4096:
+            return 8.0 * n
+        return 2.0 * n + 2 * 4 * math.ceil(n / 256)
+    if name == "prodigy":
+        return itemsize * (3 * n + (1 if zero_init else n))
+    if name == "adafactor":
+        if len(shape) < 2:
+            return 4.0 * n
+        return 4.0 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1])
+    raise EstimateUnavailable(f"training.optimizer.name {name!r} has no state size in fv_accel.memory_estimate")
+
+
+# --------------------------------------------------------------------------------------------
+# Activations of the Wan transformer
+# --------------------------------------------------------------------------------------------
+# What autograd saves for one Wan block (fv_accel/models/wan.py's per-frame block forward over
+# diffusers' WanTransformerBlock: LayerNorm -> modulation -> self-attention with RMS q/k norms,
+# RoPE and SDPA -> gated residual -> FP32LayerNorm -> cross-attention -> LayerNorm -> modulation ->
+# GELU FFN -> gated residual), counted with torch.autograd.graph.saved_tensors_hooks (distinct
+# storages) on CPU, in fp32 and under bf16 autocast, at several widths, FFN sizes and lengths:
+#
+#   per video token:  12 D x 4   (the fp32 norm / modulation / residual paths: `.float()` in the block)
+#                   + 10 D x a   (q, k, v, their normed and rotated copies, attention output and
+#                                 projections, cross-attention query path)
+#                   +  2 F x a   (FFN hidden before and after GELU)
+#                   + (9 + 2 heads) x 4   (norm statistics, attention log-sum-exp)
+#   per text token:    D x (8 + 3 a)   (cross-attention keys and values)
+#
+# where D is the width, F the FFN width, a the activation bytes (4 in fp32; 2 under bf16). The
+# transformer outside its blocks keeps the patchified input (tokens x C x patch x a), three [S, D]
+# tensors of the output head (2 x 4 + a bytes), RoPE's cos/sin (S x head_dim x 4), and its text
+# embedder's input and hidden states (text tokens x (text_dim + 3 D) x a), once.
+# Under autocast every matmul also keeps a bf16 copy of a weight stored in another dtype
+# (2 bytes a weight element; the autocast cache holds those of trainable weights until the
+# forward ends, checkpointing or not). With gradient checkpointing (diffusers' per-block
+# torch.utils.checkpoint) a block keeps only its input (S x D x a) and one block is recomputed at a
+# time in the backward pass. The backward frees saved tensors as it makes gradients: the measured
+# peak of a step (benchmarks/memory.py, CPU RSS) is the saved tensors plus the weight gradients,
+# with no further working set (README "Performance").
+
+
+@dataclass
+class WanShape:
+    width: int
+    ffn: int
+    heads: int
+    head_dim: int
+    layers: int
+    in_channels: int
+    patch: tuple[int, int, int]
+    text_dim: int = 4096
+
+
+def wan_block_bytes(shape: WanShape, tokens: int, text_tokens: int, act_bytes: int) -> float:
+    """Bytes autograd saves for one Wan block (the formula above)."""
+    d, f, a = shape.width, shape.ffn, act_bytes
+    per_token = 12 * d * 4 + 10 * d * a + 2 * f * a + (9 + 2 * shape.heads) * 4
+    return tokens * per_token + text_tokens * d * (8 + 3 * a)
+
+
+def wan_activation_bytes(
+    shape: WanShape,
+    *,
+    tokens: int,
+    text_tokens: int,
+    act_bytes: int,
+    checkpointing: bool,
+    weight_copy_bytes: float = 0.0,
+    block_weight_copy_bytes: float = 0.0,
+) -> dict[str, float]:
+    """Activation memory of one forward + backward: the saved tensors at the end of the forward and
+    the bf16 weight copies. `weight_copy_bytes`: the autocast copies the whole forward keeps;
+    `block_weight_copy_bytes`: those a single block keeps (checkpointing frees the others)."""
+    block = wan_block_bytes(shape, tokens, text_tokens, act_bytes)
+    pt, ph, pw = shape.patch
+    outside = tokens * (shape.in_channels * pt * ph * pw * act_bytes + shape.width * (8 + act_bytes) + shape.head_dim * 4)
+    outside += text_tokens * (shape.text_dim + 3 * shape.width) * act_bytes
+    if checkpointing:
+        saved = shape.layers * tokens * shape.width * act_bytes + block
+    else:
+        saved = shape.layers * block
+    return {
+        "saved": saved + outside,
+        "weight_copies": weight_copy_bytes,
+        "block_weight_copies": block_weight_copy_bytes,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The launch
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Launch:
+    engine: str  # NO, DDP, FSDP, DEEPSPEED
+    processes: int
+    zero_stage: int = 0
+    mixed_precision: str = "no"
+    mixed_precision_note: str = ""
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    fsdp_checkpointing: bool = False
+
+    def describe(self) -> str:
+        n = f"{self.processes} process{'es' if self.processes > 1 else ''}"
+        if self.engine == "DEEPSPEED":
+            return f"{n}, DeepSpeed ZeRO-{self.zero_stage}"
+        if self.engine == "FSDP":
+            return f"{n}, FSDP2"
+        return f"{n}, DDP" if self.processes > 1 else n
+
+    @property
+    def shards(self) -> int:
+        return self.processes
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "false").strip().lower() in ("1", "true", "yes")
+
+
+def launch_from_env(cfg: RunConfig, env: Mapping[str, str]) -> Launch:
+    """The engine, processes and mixed precision this process runs with, as `accelerate launch`
+    exports them (fv_accel.build reads the same variables)."""
+    processes = int(env.get("WORLD_SIZE", "1") or 1)
+    if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
+        engine = "DEEPSPEED"
+    elif _flag(env, "ACCELERATE_USE_FSDP"):
+        engine = "FSDP"
+    else:
+        engine = "DDP" if processes > 1 else "NO"
+    mp = cfg.training.loop.mixed_precision
+    note = ""
+    if mp == "auto":
+        launched = env.get("ACCELERATE_MIXED_PRECISION")
+        if launched:
+            mp, note = launched, "auto: the launch's"
+        else:
+            # The estimate is for the accelerator the run is meant for; a CPU-only run trains in fp32.
+            mp, note = "bf16", "auto: bf16 on a GPU; a CPU run is fp32 (training.loop.mixed_precision no)"
+    launch = Launch(engine=engine, processes=processes, mixed_precision=mp, mixed_precision_note=note)
+    if engine == "DEEPSPEED":
+        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if ds_file and Path(ds_file).is_file():
+            try:
+                ds = json.loads(Path(ds_file).read_text())
+                zero = ds.get("zero_optimization") or {}
+                stage = zero.get("stage", stage)
+                launch.offload_optimizer = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+                launch.offload_params = (zero.get("offload_param") or {}).get("device", "none") not in ("none", None)
+            except (OSError, ValueError):
+                pass
+        launch.zero_stage = int(stage or 0)
+        launch.offload_optimizer = launch.offload_optimizer or env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none") not in ("none", "")
+        launch.offload_params = launch.offload_params or env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") not in ("none", "")
+    if engine == "FSDP":
+        launch.offload_params = _flag(env, "FSDP_OFFLOAD_PARAMS")
+        launch.offload_optimizer = launch.offload_params
+        launch.fsdp_checkpointing = _flag(env, "FSDP_ACTIVATION_CHECKPOINTING")
+    return launch
+
+
+# --------------------------------------------------------------------------------------------
+# The model, on the meta device
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParamCensus:
+    """Per-tensor facts of the transformer(s) a run trains."""
+
+    total: int = 0
+    trainable: int = 0
+    param_bytes: float = 0.0  # as stored
+    trainable_bytes: float = 0.0  # trainable tensors as stored
+    trainable_tensors: list = field(default_factory=list)  # (shape, itemsize, starts at zero)
+    matmul_weights_not_bf16: int = 0  # Linear/Conv weight elements stored in another dtype than bf16
+    matmul_weights_trainable_not_bf16: int = 0
+    matmul_outside_blocks_not_bf16: int = 0  # of those, outside the transformer blocks
+    largest_block_params: int = 0
+    largest_block_matmul_not_bf16: int = 0
+    configs: list = field(default_factory=list)
+    class_names: list = field(default_factory=list)
+
+
+def _transformer_sources(cfg: RunConfig) -> list[tuple[Optional[dict], Optional[str]]]:
+    """(inline config, or None with the subfolder of init_from to read) for each transformer trained."""
+    st = cfg.models.student
+    if st.init_from is None:
+        return [(dict(st.transformer_config or {}), None)]
+    if st.expert is not None:
+        from fv_accel.models.wan import EXPERT_SUBFOLDERS
+
+        if st.expert == "both":
+            return [(None, EXPERT_SUBFOLDERS["high_noise"]), (None, EXPERT_SUBFOLDERS["low_noise"])]
+        return [(None, EXPERT_SUBFOLDERS[st.expert])]
+    return [(None, st.subfolder or None)]
+
+
+def read_transformer_configs(cfg: RunConfig) -> list[tuple[dict, str]]:
+    """(config, where) of each transformer the run trains: inline, or the init_from's config.json
+    (a local folder or the Hugging Face cache; HF_HUB_OFFLINE honoured). Raises EstimateUnavailable."""
+    st = cfg.models.student
+    out = []
+    for inline, subfolder in _transformer_sources(cfg):
+        if inline is not None:
+            out.append((inline, "models.student.transformer_config"))
+            continue
+        files = f"{subfolder + '/' if subfolder else ''}config.json vae/config.json"
+        missing = EstimateUnavailable(
+            f"needs the transformer's config.json ({st.init_from}/{subfolder or '.'}/config.json), not in the local "
+            f"folder or Hugging Face cache: `hf download {st.init_from} {files}` (a few KB, no weights) and run again"
+        )
+        if not _config_reachable(st.init_from, subfolder, st.revision):
+            raise missing  # said before the model families (diffusers) are imported
+        from fv_accel.models.loading import ModelLoadError, fetch_config
+
+        try:
+            config = fetch_config(st.init_from, subfolder, revision=st.revision, required=True)
+        except ModelLoadError:
+            raise missing from None
+        out.append((config, f"{st.init_from}/{subfolder or '.'}/config.json"))
+    return out
+
+
+def _config_reachable(model: str, subfolder: Optional[str], revision: Optional[str]) -> bool:
+    """Whether `<subfolder>/config.json` of a local folder or Hub id can be read: False only when it is
+    certainly not (offline and not in the Hugging Face cache)."""
+    if Path(model).exists():
+        return True
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    if not offline:
+        return True  # fetched (a few KB) by fetch_config
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, f"{subfolder}/config.json" if subfolder else "config.json", revision=revision)
+    except Exception:
+        return True  # not a Hub id: fetch_config says so
+    return isinstance(found, str)
+
+
+def _transformer_class(cfg: RunConfig, config: dict) -> type:
+    from fv_accel.models import FAMILIES, family_of
+
+    st = cfg.models.student
+    family = family_of(cfg) if st.init_from is None or st.model_class != "auto" else None
+    if family is None:
+        name = config.get("_class_name")
+        for fam in FAMILIES.values():
+            for cls in fam.transformer_classes.values():
+                if cls.__name__ == name:
+                    return cls
+        raise EstimateUnavailable(f"transformer class {name!r} of {st.init_from} belongs to no registered family")
+    classes = family.transformer_classes
+    kind = next(iter(classes)) if st.model_class == "auto" else st.model_class
+    return classes[kind]
+
+
+def _lora_targets(cfg: RunConfig, cls: type) -> list[str]:
+    from fv_accel.models import FAMILIES
+
+    st = cfg.models.student
+    if st.lora.target_modules:
+        return list(st.lora.target_modules)
+    for fam in FAMILIES.values():
+        if cls in fam.transformer_classes.values():
+            return list(fam.lora_target_modules)
+    raise EstimateUnavailable(f"no LoRA targets known for {cls.__name__}")
+
+
+def build_meta_transformer(cfg: RunConfig, config: dict) -> torch.nn.Module:
+    """The transformer as training builds it (dtype, storage dtype, LoRA), with meta tensors."""
+    from accelerate import init_empty_weights
+
+    from fv_accel.models.loading import DTYPES
+
+    st = cfg.models.student
+    cls = _transformer_class(cfg, config)
+    with init_empty_weights():
+        model = cls.from_config(dict(config))
+    dtype = DTYPES[st.torch_dtype]
+    if dtype != torch.float32:
+        # As loading does: from_pretrained keeps the class's `_keep_in_fp32_modules` in fp32 (an
+        # inline config casts everything, as fv_accel.models.student does).
+        keep = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ()) if st.init_from is not None else ()
+        for name, module in model.named_modules():
+            if not any(part in keep for part in name.split(".")):
+                for p in module.parameters(recurse=False):
+                    p.data = p.data.to(dtype)
+    storage = getattr(st, "storage_dtype", None)
+    if storage:
+        try:
+            model.enable_layerwise_casting(storage_dtype=getattr(torch, storage), compute_dtype=torch.bfloat16)
+        except Exception as err:  # a diffusers without layerwise casting for this class
+            raise EstimateUnavailable(f"models.student.storage_dtype {storage}: {err}") from None
+    if st.lora.enable:
+        from fv_accel.models.lora import peft_lora_config
+
+        lora = dataclasses.replace(st.lora, init="default", target_modules=_lora_targets(cfg, cls))
+        model.requires_grad_(False)
+        with init_empty_weights():
+            model.add_adapter(peft_lora_config(lora), adapter_name="default")
+        for p in model.parameters():
+            if p.requires_grad:  # the adapter trains in fp32 (diffusers' cast_training_params)
+                p.data = p.data.to(torch.float32)
+    else:
+        model.requires_grad_(True)
+    return model
+
+
+def census(cfg: RunConfig) -> ParamCensus:
+    c = ParamCensus()
+    lora_zero_b = cfg.models.student.lora.init != "pissa"
+    for config, where in read_transformer_configs(cfg):
+        model = build_meta_transformer(cfg, config)
+        c.configs.append(config)
+        c.class_names.append(type(model).__name__)
+        for name, p in model.named_parameters():
+            n, size = p.numel(), p.element_size()
+            c.total += n
+            c.param_bytes += n * size
+            if p.requires_grad:
+                c.trainable += n
+                c.trainable_bytes += n * size
+                c.trainable_tensors.append((tuple(p.shape), size, lora_zero_b and "lora_B" in name))
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv3d, torch.nn.Conv2d)) and module.weight.dtype != torch.bfloat16:
+                c.matmul_weights_not_bf16 += module.weight.numel()
+                if module.weight.requires_grad:
+                    c.matmul_weights_trainable_not_bf16 += module.weight.numel()
+        blocks = getattr(model, "blocks", None) or getattr(model, "transformer_blocks", None) or []
+        in_blocks = {id(m) for block in blocks for m in block.modules()}
+        c.matmul_outside_blocks_not_bf16 += sum(
+            m.weight.numel()
+            for m in model.modules()
+            if isinstance(m, (torch.nn.Linear, torch.nn.Conv3d, torch.nn.Conv2d))
+            and id(m) not in in_blocks
+            and m.weight.dtype != torch.bfloat16
+        )
+        for block in blocks:
+            c.largest_block_params = max(c.largest_block_params, sum(p.numel() for p in block.parameters()))
+            c.largest_block_matmul_not_bf16 = max(
+                c.largest_block_matmul_not_bf16,
+                sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16),
+            )
+    return c
+
+
+# --------------------------------------------------------------------------------------------
+# The largest bucket
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Bucket:
+    latent: tuple[int, int, int, int]  # C, T, H, W
+    batch: int
+    tokens: int
+    text_tokens: int
+    source: str
+
+
+def _vae_factors_of_model(cfg: RunConfig) -> tuple[int, int, str]:
+    """(temporal, spatial) compression of the student's VAE: its vae/config.json where reachable
+    (Wan 2.2's records them; AutoencoderKLWan's defaults are 4 and 8), else Wan 2.1's."""
+    from fv_accel.data.loader import VAE_SPATIAL, VAE_TEMPORAL
+
+    st = cfg.models.student
+    if st.init_from is not None:
+        from fv_accel.models import family_of
+        from fv_accel.models.loading import ModelLoadError
+
+        try:
+            spec = family_of(cfg).encoding_spec(st.init_from, st.revision)
+        except (ModelLoadError, ValueError, KeyError) as err:
+            del err
+            raise EstimateUnavailable(
+                f"activations need the VAE's compression from {st.init_from}/vae/config.json, not in the local folder "
+                f"or Hugging Face cache: `hf download {st.init_from} vae/config.json`"
+            ) from None
+        return int(spec.scale_factor_temporal), int(spec.scale_factor_spatial), f"{st.init_from}'s VAE"
+    return VAE_TEMPORAL, VAE_SPATIAL, "Wan 2.1 VAE: 4x time, 8x space"
+
+
+def largest_bucket(cfg: RunConfig, patch: tuple[int, int, int], channels: int) -> Bucket:
+    """The largest latent one step can get: the dataset's largest row shape that the recipe's
+    num_latent_t / num_frames / num_height / num_width keep, those keys themselves where the data
+    is not here, or the tiny clips through the tiny (Wan 2.1) VAE."""
+    from fv_accel.data.loader import VAE_SPATIAL, VAE_TEMPORAL, wanted_latent_shape
+
+    data = cfg.training.data
+    pt, ph, pw = patch
+
+    def tokens(shape: tuple[int, ...]) -> int:
+        return (shape[1] // pt) * (shape[2] // ph) * (shape[3] // pw)
+
+    text_tokens = 512  # fv_accel.data.loader.TEXT_MAX_LENGTH: text embeddings are padded to it
+    batch = data.train_batch_size
+    path = data.data_path
+    shapes: list[tuple[int, ...]] = []
+    source = ""
+    if path == "tiny":
+        t = (data.tiny_num_frames - 1) // VAE_TEMPORAL + 1
+        shapes = [(channels, t, data.tiny_height // VAE_SPATIAL, data.tiny_width // VAE_SPATIAL)]
+        temporal, spatial = VAE_TEMPORAL, VAE_SPATIAL
+        source = f"tiny clips {data.tiny_num_frames} frames {data.tiny_height}x{data.tiny_width}"
+    else:
+        from fv_accel.data.schema import local_dataset_path
+
+        try:
+            local = local_dataset_path(path)
+        except Exception:
+            local = None
+        if local is not None and Path(local).exists():
+            from fv_accel.data.loader import LatentDataset, vae_factors
+
+            try:
+                for p in [local] + [m["data_path"] for m in data.mix]:
+                    shapes += [tuple(s) for s in LatentDataset(p).latent_shapes]
+                temporal, spatial = vae_factors(local)
+                source = f"dataset {path}"
+            except Exception:
+                shapes = []
+        if not shapes:
+            temporal, spatial, vae = _vae_factors_of_model(cfg)
+            wanted = wanted_latent_shape(data, temporal, spatial)
+            if set(wanted) != {"T", "H", "W"}:
+                raise EstimateUnavailable(
+                    "activations need the latent size: training.data.data_path is not here and "
+                    "training.data.num_latent_t (or num_frames) / num_height / num_width are not all set"
+                )
+            shapes = [(channels, wanted["T"][1], wanted["H"][1], wanted["W"][1])]
+            source = f"training.data.num_* ({vae})"
+    wanted = wanted_latent_shape(data, temporal, spatial)
+    axis = {"T": 1, "H": 2, "W": 3}
+    kept = [s for s in shapes if all(s[axis[a]] == size for a, (_, size) in wanted.items())] or shapes
+    best = max(kept, key=tokens)
+    return Bucket(tuple(int(x) for x in best), batch, batch * tokens(best), batch * text_tokens, source)
+
+
+# --------------------------------------------------------------------------------------------
+# The estimate
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MemoryEstimate:
+    launch: Launch
+    census: ParamCensus
+    parameters: float
+    gradients: float
+    optimizer: float
+    ema: float
+    activations: Optional[float]
+    host: dict
+    bucket: Optional[Bucket]
+    optimizer_name: str
+    checkpointing: bool
+    activation_note: str = ""
+    activation_parts: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.ema + (self.activations or 0.0)
+
+
+def _wan_shape(config: dict) -> Optional[WanShape]:
+    needed = ("num_attention_heads", "attention_head_dim", "ffn_dim", "num_layers")
+    if not all(k in config for k in needed):
+        return None
+    heads, hd = int(config["num_attention_heads"]), int(config["attention_head_dim"])
+    patch = config.get("patch_size", [1, 2, 2])
+    return WanShape(
+        width=heads * hd,
+        ffn=int(config["ffn_dim"]),
+        heads=heads,
+        head_dim=hd,
+        layers=int(config["num_layers"]),
+        in_channels=int(config.get("in_channels", 16)),
+        patch=tuple(int(p) for p in patch),
+        text_dim=int(config.get("text_dim", 4096)),
+    )
+
+
+def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> MemoryEstimate:
+    """The per-process estimate for a recipe under the launch in `env` (os.environ by default)."""
+    env = os.environ if env is None else env
+    launch = launch_from_env(cfg, env)
+    c = census(cfg)
+    st = cfg.models.student
+    opt_name = getattr(cfg.training.optimizer, "name", "adamw")
+    n = launch.shards
+    host: dict[str, float] = {}
+    notes: list[str] = []
+    low = launch.mixed_precision in ("bf16", "fp16")
+    frozen_bytes = c.param_bytes - c.trainable_bytes
+
+    opt_state = sum(optimizer_state_bytes(opt_name, shape, size, zero_init=zero) for shape, size, zero in c.trainable_tensors)
+    if launch.engine == "DEEPSPEED":
+        # ZeRO (Rajbhandari et al.): with bf16 the module holds 2-byte weights and gradients and
+        # the optimizer an fp32 master copy with its state, computed on fp32 elements.
+        weight_bytes = 2 if low else 4
+        opt_state = sum(optimizer_state_bytes(opt_name, shape, 4, zero_init=zero) for shape, size, zero in c.trainable_tensors)
+        if low:
+            opt_state += 4 * c.trainable
+        params = c.total * weight_bytes if low else c.param_bytes
+        grads = c.trainable * weight_bytes
+        grads = grads / n
+        opt_state = opt_state / n
+        if launch.zero_stage >= 3:
+            params = params / n
+        elif launch.zero_stage < 2:
+            grads = grads * n
+        notes.append(f"DeepSpeed ZeRO-{launch.zero_stage}: {'bf16 weights and gradients, fp32 master in the optimizer' if low else 'fp32'}")
+    elif launch.engine == "FSDP":
+        params = c.param_bytes / n
+        grads = c.trainable_bytes / n
+        opt_state = opt_state / n
+        notes.append("FSDP2: parameters, gradients, optimizer state and EMA sharded over the processes")
+    else:
+        params = c.param_bytes
+        grads = c.trainable_bytes
+        if launch.engine == "DDP":
+            grads *= 2
+            notes.append("DDP: gradients counted twice (its gradient buckets, gradient_as_bucket_view off)")
+    ema = 0.0
+    if cfg.callbacks.ema.enable:
+        if launch.engine == "DEEPSPEED" and launch.zero_stage >= 3:
+            notes.append("EMA: refused under ZeRO-3")
+        else:
+            ema = 4.0 * c.trainable / (n if launch.engine == "FSDP" else 1)
+            if cfg.callbacks.ema.device == "cpu":
+                host["EMA"] = ema
+                ema = 0.0
+    if launch.offload_optimizer:
+        host["optimizer"] = opt_state
+        opt_state = 0.0
+    if launch.offload_params and launch.engine in ("FSDP",) or (launch.engine == "DEEPSPEED" and launch.zero_stage >= 3 and launch.offload_params):
+        host["parameters"] = params
+        params = 0.0
+
+    checkpointing = cfg.training.model.enable_gradient_checkpointing_type == "full" or launch.fsdp_checkpointing
+    activations: Optional[float] = None
+    bucket: Optional[Bucket] = None
+    note = ""
+    parts: dict = {}
+    shapes = [_wan_shape(config) for config in c.configs]
+    wan_family = all(name in ("WanTransformer3DModel", "SkyReelsV2Transformer3DModel") for name in c.class_names)
+    if not wan_family or shapes[0] is None:
+        note = f"activations not estimated: the formula is the Wan transformer's ({', '.join(sorted(set(c.class_names)))})"
+    else:
+        shape = shapes[0]
+        try:
+            bucket = largest_bucket(cfg, shape.patch, shape.in_channels)
+        except EstimateUnavailable as err:
+            note = str(err)
+        if bucket is not None:
+            # DeepSpeed casts the module to bf16 (no autocast); FSDP2 computes with bf16 copies of
+            # one or two blocks at a time; elsewhere autocast keeps bf16 copies of non-bf16 weights.
+            act_bytes = 2 if low else 4
+            copies = block_copies = 0.0
+            if low and launch.engine == "FSDP":
+                block_copies = 2 * 2 * c.largest_block_params
+            elif low and launch.engine != "DEEPSPEED":
+                # Saved for the backward: every copy; with checkpointing those outside the blocks
+                # and one recomputed block's. The autocast cache keeps the trainable ones' copies
+                # through the forward either way.
+                if checkpointing:
+                    copies = 2.0 * max(c.matmul_weights_trainable_not_bf16, c.matmul_outside_blocks_not_bf16)
+                    block_copies = 2.0 * c.largest_block_matmul_not_bf16
+                else:
+                    copies = 2.0 * c.matmul_weights_not_bf16
+            # Context parallelism splits each sequence's video tokens over ulysses x ring processes.
+            cp = getattr(getattr(cfg.training.model, "context_parallel", None), "degree", 1)
+            if cp > 1:
+                notes.append(f"context parallel degree {cp}: {math.ceil(bucket.tokens / cp):,} video tokens a process")
+            parts = wan_activation_bytes(
+                shape,
+                tokens=math.ceil(bucket.tokens / cp),
+                text_tokens=bucket.text_tokens,
+                act_bytes=act_bytes,
+                checkpointing=checkpointing,
+                weight_copy_bytes=copies,
+                block_weight_copy_bytes=block_copies,
+            )
+            activations = sum(parts.values())
+            if checkpointing and copies > 0.05 * activations:
+                notes.append(
+                    "components summed: with checkpointing the autocast weight copies (forward) and the gradients "
+                    "(backward) are not all alive at once, so the peak can be lower by up to the smaller of the two"
+                )
+            if len(shapes) > 1:
+                notes.append("two experts: activations of the one a step runs")
+    return MemoryEstimate(
+        launch=launch,
+        census=c,
+        parameters=params,
+        gradients=grads,
+        optimizer=opt_state,
+        ema=ema,
+        activations=activations,
+        host=host,
+        bucket=bucket,
+        optimizer_name=opt_name,
+        checkpointing=checkpointing,
+        activation_note=note,
+        activation_parts=parts,
+        notes=notes + ([] if frozen_bytes == 0 else [f"frozen base stored in {_dtype_word(cfg)}"]),
+    )
+
+
+def _dtype_word(cfg: RunConfig) -> str:
+    st = cfg.models.student
+    return getattr(st, "storage_dtype", None) or st.torch_dtype
+
+
+def fmt_bytes(x: float) -> str:
+    if x >= GIB:
+        return f"{x / GIB:.2f} GiB"
+    return f"{x / MIB:.1f} MiB"
+
+
+def format_estimate(est: MemoryEstimate, cfg: RunConfig) -> list[str]:
+    st = cfg.models.student
+    c = est.census
+    what = f"LoRA rank {st.lora.rank} ({c.trainable:,} of {c.total:,} parameters trainable)" if st.lora.enable else (
+        f"full fine-tune ({c.total:,} parameters)"
+    )
+    master = {
+        "float32": "fp32 weights",
+        "bfloat16": "bf16 weights",
+        "float16": "fp16 weights",
+    }[st.torch_dtype]
+    if getattr(st, "storage_dtype", None):
+        master += f" ({st.storage_dtype} storage of the frozen layers)"
+    mp = est.launch.mixed_precision
+    mp_text = {"no": "fp32 compute", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}.get(mp, mp)
+    if est.launch.engine == "DEEPSPEED" and mp in ("bf16", "fp16"):
+        mp_text = f"{mp} module"
+    head = (
+        f"# memory estimate per process ({est.launch.describe()}, {what}, {master}, {mp_text}, "
+        f"{est.optimizer_name}, checkpointing {'on' if est.checkpointing else 'off'}"
+    )
+    if est.bucket is not None:
+        b = est.bucket
+        head += f", largest bucket {'x'.join(map(str, b.latent))} latent = {b.tokens // b.batch:,} tokens, batch {b.batch}"
+    head += "):"
+    cols = [
+        ("parameters", est.parameters),
+        ("gradients", est.gradients),
+        ("optimizer", est.optimizer),
+        ("EMA", est.ema),
+        ("activations", est.activations),
+    ]
+    body = " | ".join(f"{name} {'-' if v is None else fmt_bytes(v)}" for name, v in cols)
+    lines = [head, f"#   {body} | total {fmt_bytes(est.total)}{'' if est.activations is not None else ' (without activations)'}"]
+    if est.host:
+        lines.append("#   in host memory: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est.host.items()))
+    if est.activation_note:
+        lines.append(f"#   {est.activation_note}")
+    assumptions = []
+    if est.launch.mixed_precision_note:
+        assumptions.append(f"mixed precision {est.launch.mixed_precision_note}")
+    if est.bucket is not None:
+        assumptions.append(f"bucket from {est.bucket.source}")
+        p = est.activation_parts
+        act = f"activations = saved tensors {fmt_bytes(p['saved'])}"
+        if p.get("weight_copies") or p.get("block_weight_copies"):
+            act += f" + bf16 weight copies {fmt_bytes(p['weight_copies'] + p['block_weight_copies'])}"
+        assumptions.append(act)
+    assumptions += est.notes
+    if est.launch.processes == 1 and est.launch.engine == "NO":
+        assumptions.append("run under `accelerate launch --config_file ...` for the per-process figures of a multi-process engine")
+    assumptions.append("not counted: the CUDA context, allocator fragmentation, the data loader, validation sampling")
+    lines.append("#   assumptions: " + "; ".join(assumptions))
+    return lines
+
+
+def dry_run_lines(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The estimate as YAML comment lines (the dry-run's output stays a valid recipe)."""
+    try:
+        est = estimate_memory(cfg, env)
+    except EstimateUnavailable as err:
+        return [f"# memory estimate: {err}"]
+    return format_estimate(est, cfg)
