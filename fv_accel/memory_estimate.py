@@ -54,31 +54,19 @@ class EstimateUnavailable(Exception):
 # --------------------------------------------------------------------------------------------
 
 
-def optimizer_state_bytes(name: str, shape: tuple[int, ...], itemsize: int, *, zero_init: bool = False) -> float:
-    """Bytes of optimizer state one trainable tensor of `shape` (elements of `itemsize` bytes) gets.
+def optimizer_state_bytes(cfg: RunConfig, tensors: list[tuple[tuple[int, ...], int, bool]], itemsize: Optional[int] = None) -> float:
+    """Optimizer state of the trainable `tensors` ((shape, element bytes, starts at zero) each) by
+    fv_accel.optim.optimizer_state_bytes, the figure its tests check against the optimizers' real
+    state; `itemsize` overrides every tensor's element size (DeepSpeed's fp32 master copy)."""
+    from fv_accel.optim import optimizer_state_bytes as state_bytes
 
-    - adamw: exp_avg + exp_avg_sq, like the parameter (torch.optim.AdamW): 2 x itemsize per element.
-    - adamw_8bit: bitsandbytes' AdamW8bit: two uint8 states with one fp32 absmax per 256-element
-      block each (2 + 8/256 bytes an element); tensors under 4096 elements keep fp32 states (8 bytes).
-    - prodigy: prodigyopt 1.1.2 keeps exp_avg, exp_avg_sq, s and p0 like the parameter (slice_p 1:
-      4 x itemsize an element); p0 is a scalar for a tensor that starts at zero (LoRA's B).
-    - adafactor: factored second moments for 2-D and larger tensors (rows: prod(shape[:-1]),
-      columns: prod(shape[:-2]) x shape[-1], fp32), the full second moment for 1-D; no first moment.
-    """
-    n = math.prod(shape)
-    if name == "adamw":
-        return 2.0 * itemsize * n
-    if name == "adamw_8bit":
-        if n < 4096:
-            return 8.0 * n
-        return 2.0 * n + 2 * 4 * math.ceil(n / 256)
-    if name == "prodigy":
-        return itemsize * (3 * n + (1 if zero_init else n))
-    if name == "adafactor":
-        if len(shape) < 2:
-            return 4.0 * n
-        return 4.0 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1])
-    raise EstimateUnavailable(f"training.optimizer.name {name!r} has no state size in fv_accel.memory_estimate")
+    opt = cfg.training.optimizer
+    dtypes = {4: torch.float32, 2: torch.bfloat16, 1: torch.float8_e4m3fn}
+    total = 0.0
+    for size in sorted({itemsize or size for _, size, _ in tensors}):
+        group = [(shape, zero) for shape, s, zero in tensors if (itemsize or s) == size]
+        total += state_bytes(opt.name, [shape for shape, _ in group], dtypes[size], beta1=opt.betas[0], all_zero=[z for _, z in group])
+    return total
 
 
 # --------------------------------------------------------------------------------------------
@@ -562,19 +550,19 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
     launch = launch_from_env(cfg, env)
     c = census(cfg)
     st = cfg.models.student
-    opt_name = getattr(cfg.training.optimizer, "name", "adamw")
+    opt_name = cfg.training.optimizer.name
     n = launch.shards
     host: dict[str, float] = {}
     notes: list[str] = []
     low = launch.mixed_precision in ("bf16", "fp16")
     frozen_bytes = c.param_bytes - c.trainable_bytes
 
-    opt_state = sum(optimizer_state_bytes(opt_name, shape, size, zero_init=zero) for shape, size, zero in c.trainable_tensors)
+    opt_state = optimizer_state_bytes(cfg, c.trainable_tensors)
     if launch.engine == "DEEPSPEED":
         # ZeRO (Rajbhandari et al.): with bf16 the module holds 2-byte weights and gradients and
         # the optimizer an fp32 master copy with its state, computed on fp32 elements.
         weight_bytes = 2 if low else 4
-        opt_state = sum(optimizer_state_bytes(opt_name, shape, 4, zero_init=zero) for shape, size, zero in c.trainable_tensors)
+        opt_state = optimizer_state_bytes(cfg, c.trainable_tensors, itemsize=4)
         if low:
             opt_state += 4 * c.trainable
         params = c.total * weight_bytes if low else c.param_bytes
