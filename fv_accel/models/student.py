@@ -271,7 +271,6 @@ class DiffusersStudent(ModelBase):
                     f"models.student.storage_dtype: {self.student_config.storage_dtype} works with one process or "
                     f"DDP, not {accelerator.distributed_type.value} (which gathers and casts the weights itself); remove the key"
                 )
-            self.store_base_in(self.student_config.storage_dtype, accelerator.mixed_precision)
         if self.lora_enabled:
             from fv_accel.models.lora import register_adapter_checkpointing
 
@@ -311,6 +310,13 @@ class DiffusersStudent(ModelBase):
         self.gradient_scale = float(cp.degree)
         if accelerator.is_main_process:
             logger.info("%s", describe_layout(cp.ulysses, cp.ring, accelerator.num_processes))
+
+    def after_prepare(self) -> None:
+        # The base is cast for storage once the engine has wrapped the model: DDP broadcasts every
+        # parameter when it wraps, and gloo has no fp8.
+        if self.student_config.storage_dtype is not None and self.lora_enabled:
+            mixed = self.accelerator.mixed_precision if self.accelerator is not None else "no"
+            self.store_base_in(self.student_config.storage_dtype, mixed)
 
     # ---- LoRA state (checkpoints and final files) ----
     def _unwrapped(self, accelerator: Any = None) -> torch.nn.Module:
