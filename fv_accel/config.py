@@ -512,6 +512,12 @@ def validate(cfg: RunConfig, source: str) -> None:
             "precision, so it needs models.student.lora.enable: true (a fully trained model keeps its weights "
             "in torch_dtype); remove the key or enable LoRA"
         )
+    if st.storage_dtype is not None and tm.compile != "none":
+        raise ConfigError(
+            f"{source}: key 'training.model.compile': {tm.compile!r} with models.student.storage_dtype "
+            f"{st.storage_dtype!r}: the compiled blocks cannot replay the per-layer weight casts (gradient "
+            "checkpointing's recompute sees the storage dtype); use one of the two"
+        )
     if tm.logit_std < 0:
         raise bad("training.model.logit_std", tm.logit_std, "a number >= 0")
     cp = tm.context_parallel

@@ -89,6 +89,10 @@ def test_wrong_type_names_the_key(tmp_path, data, key):
         ({"models.student.storage_dtype": "float8"}, "models.student.storage_dtype"),
         # A frozen base in fp8 is a LoRA run's: a fully trained model is refused.
         ({"models.student.storage_dtype": "float8_e4m3fn"}, "models.student.storage_dtype"),
+        (
+            {"models.student.storage_dtype": "bfloat16", "models.student.lora.enable": True, "training.model.compile": "blocks"},
+            "training.model.compile",
+        ),
     ],
 )
 def test_out_of_range_values_name_the_key(override, key):
