@@ -73,6 +73,7 @@ def run_three_steps(tmp_path, compile_mode: str):
     return losses, grads, graphs
 
 
+@pytest.mark.slow  # ~35 s of CPU: Dynamo and AOTAutograd trace the block's forward and backward
 def test_compiled_blocks_match_eager_and_compile_once(tmp_path, aot_eager_blocks):
     eager_losses, eager_grads, eager_graphs = run_three_steps(tmp_path, "none")
     assert eager_graphs == [0, 0, 0]
