@@ -543,6 +543,7 @@ def build_from_config(
     student.transformer, method.optimizer, method.lr_scheduler = acc.prepare(
         student.transformer, method.optimizer, method.lr_scheduler
     )
+    student.after_prepare()
     if acc.is_main_process:
         logger.info("%s", describe_engine(acc, student.transformer))
     # Nothing is written to the output folder before this: its lock, and under it the last checks.

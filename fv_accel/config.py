@@ -76,6 +76,10 @@ class StudentConfig:
     # What the student is trained for: t2v, i2v (first-frame condition), auto (i2v for
     # image-to-video models, t2v otherwise; Wan2.2-TI2V-5B does both, t2v unless set).
     task: Literal["auto", "t2v", "i2v"] = "auto"
+    # Storage dtype of a LoRA run's frozen base (diffusers' layerwise casting): its linear and conv
+    # weights are kept in this dtype and cast to the compute dtype layer by layer in the forward.
+    # Norms, embeddings, the patch embedding and the LoRA adapter stay as they are. null: off.
+    storage_dtype: Optional[Literal["float8_e4m3fn", "float8_e5m2", "bfloat16"]] = None
 
 
 @dataclass
@@ -229,6 +233,9 @@ class TrainingModelConfig:
     precondition_outputs: bool = False
     enable_gradient_checkpointing_type: Optional[Literal["full"]] = None
     context_parallel: ContextParallel = field(default_factory=ContextParallel)
+    # torch.compile of the transformer: none, or blocks (diffusers' regional compilation: each
+    # block class the transformer lists in `_repeated_blocks` is compiled once and reused).
+    compile: Literal["none", "blocks"] = "none"
 
 
 @dataclass
@@ -498,6 +505,19 @@ def validate(cfg: RunConfig, source: str) -> None:
     if not ck.output_dir:
         raise bad("training.checkpoint.output_dir", ck.output_dir, "a folder path")
     tm = cfg.training.model
+    st = cfg.models.student
+    if st.storage_dtype is not None and not st.lora.enable:
+        raise ConfigError(
+            f"{source}: key 'models.student.storage_dtype': {st.storage_dtype!r} stores a frozen base in low "
+            "precision, so it needs models.student.lora.enable: true (a fully trained model keeps its weights "
+            "in torch_dtype); remove the key or enable LoRA"
+        )
+    if st.storage_dtype is not None and tm.compile != "none":
+        raise ConfigError(
+            f"{source}: key 'training.model.compile': {tm.compile!r} with models.student.storage_dtype "
+            f"{st.storage_dtype!r}: the compiled blocks cannot replay the per-layer weight casts (gradient "
+            "checkpointing's recompute sees the storage dtype); use one of the two"
+        )
     if tm.logit_std < 0:
         raise bad("training.model.logit_std", tm.logit_std, "a number >= 0")
     cp = tm.context_parallel

@@ -85,6 +85,14 @@ def test_wrong_type_names_the_key(tmp_path, data, key):
         ({"training.data.training_cfg_rate": 1.5}, "training.data.training_cfg_rate"),
         ({"models.student.flow_shift": 0}, "models.student.flow_shift"),
         ({"training.loop.gradient_accumulation_steps": 0}, "training.loop.gradient_accumulation_steps"),
+        ({"training.model.compile": "full"}, "training.model.compile"),
+        ({"models.student.storage_dtype": "float8"}, "models.student.storage_dtype"),
+        # A frozen base in fp8 is a LoRA run's: a fully trained model is refused.
+        ({"models.student.storage_dtype": "float8_e4m3fn"}, "models.student.storage_dtype"),
+        (
+            {"models.student.storage_dtype": "bfloat16", "models.student.lora.enable": True, "training.model.compile": "blocks"},
+            "training.model.compile",
+        ),
     ],
 )
 def test_out_of_range_values_name_the_key(override, key):

@@ -202,6 +202,9 @@ class ModelBase:
     def attach_accelerator(self, accelerator: Any) -> None:
         self.accelerator = accelerator
 
+    def after_prepare(self) -> None:
+        """Called once the engine (`accelerator.prepare`) has wrapped `transformer`."""
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]
 

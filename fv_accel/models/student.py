@@ -133,7 +133,42 @@ class DiffusersStudent(ModelBase):
         self.after_setup()
         if cfg.training.model.enable_gradient_checkpointing_type == "full":
             self.transformer.enable_gradient_checkpointing()
+        if cfg.training.model.compile == "blocks":
+            self.compile_blocks()
         self._scheduler_config: Any = False  # read on first use
+
+    # ---- memory and speed ----
+    def store_base_in(self, storage_dtype: str, mixed_precision: str) -> None:
+        """Keep the frozen base's weights in `storage_dtype` (diffusers' layerwise casting), cast
+        to the compute dtype one layer at a time in the forward. Applied after LoRA: diffusers'
+        default patterns then skip the adapter (peft's `lora_A`/`lora_B`, kept fp32), and with them
+        the family's own (`_skip_layerwise_casting_patterns`: norms, embeddings, patch embedding)
+        and `_keep_in_fp32_modules`. The compute dtype is the run's bf16/fp16 mixed precision,
+        else the dtype the weights were loaded in."""
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}
+        compute = low.get(mixed_precision, DTYPES[self.student_config.torch_dtype])
+        for module in self.modules:
+            module.enable_layerwise_casting(storage_dtype=getattr(torch, storage_dtype), compute_dtype=compute)
+        if not getattr(self.modules[0], "gradient_checkpointing", False):
+            # Backward keeps each layer's compute-dtype copy of its weight from the forward: without
+            # recomputation a step holds them all, and the peak saves little.
+            logger.warning(
+                "models.student.storage_dtype %s without training.model.enable_gradient_checkpointing_type: full "
+                "keeps every layer's %s weight copy from the forward to the backward (peak memory barely drops)",
+                storage_dtype,
+                str(compute).replace("torch.", ""),
+            )
+
+    def compile_blocks(self) -> None:
+        """`training.model.compile: blocks`: torch.compile each repeated transformer block
+        (diffusers' `compile_repeated_blocks`), after LoRA and before the engine wraps the model."""
+        for module in self.modules:
+            if not getattr(module, "_repeated_blocks", None):
+                raise ValueError(
+                    f"training.model.compile: blocks: the {self.family} family's {type(module).__name__} lists no "
+                    "repeated blocks (_repeated_blocks) to compile; set training.model.compile: none"
+                )
+            module.compile_repeated_blocks()
 
     # ---- hooks a family overrides ----
     def build_transformers(self, st: StudentConfig) -> tuple[torch.nn.Module, str, list[torch.nn.Module]]:
@@ -228,6 +263,14 @@ class DiffusersStudent(ModelBase):
         cp = self.run_config.training.model.context_parallel
         if cp.degree > 1:
             self.enable_context_parallel(accelerator, cp)
+        if self.student_config.storage_dtype is not None and self.lora_enabled:
+            from accelerate.utils import DistributedType
+
+            if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+                raise ValueError(
+                    f"models.student.storage_dtype: {self.student_config.storage_dtype} works with one process or "
+                    f"DDP, not {accelerator.distributed_type.value} (which gathers and casts the weights itself); remove the key"
+                )
         if self.lora_enabled:
             from fv_accel.models.lora import register_adapter_checkpointing
 
@@ -267,6 +310,13 @@ class DiffusersStudent(ModelBase):
         self.gradient_scale = float(cp.degree)
         if accelerator.is_main_process:
             logger.info("%s", describe_layout(cp.ulysses, cp.ring, accelerator.num_processes))
+
+    def after_prepare(self) -> None:
+        # The base is cast for storage once the engine has wrapped the model: DDP broadcasts every
+        # parameter when it wraps, and gloo has no fp8.
+        if self.student_config.storage_dtype is not None and self.lora_enabled:
+            mixed = self.accelerator.mixed_precision if self.accelerator is not None else "no"
+            self.store_base_in(self.student_config.storage_dtype, mixed)
 
     # ---- LoRA state (checkpoints and final files) ----
     def _unwrapped(self, accelerator: Any = None) -> torch.nn.Module:
