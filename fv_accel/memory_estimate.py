@@ -348,7 +348,7 @@ def build_meta_transformer(cfg: RunConfig, config: dict) -> torch.nn.Module:
             if not any(part in keep for part in name.split(".")):
                 for p in module.parameters(recurse=False):
                     p.data = p.data.to(dtype)
-    storage = getattr(st, "storage_dtype", None)
+    storage = st.storage_dtype
     if storage:
         try:
             model.enable_layerwise_casting(storage_dtype=getattr(torch, storage), compute_dtype=torch.bfloat16)
@@ -633,7 +633,7 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
                 else:
                     copies = 2.0 * c.matmul_weights_not_bf16
             # Context parallelism splits each sequence's video tokens over ulysses x ring processes.
-            cp = getattr(getattr(cfg.training.model, "context_parallel", None), "degree", 1)
+            cp = cfg.training.model.context_parallel.degree
             if cp > 1:
                 notes.append(f"context parallel degree {cp}: {math.ceil(bucket.tokens / cp):,} video tokens a process")
             parts = wan_activation_bytes(
@@ -673,7 +673,7 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
 
 def _dtype_word(cfg: RunConfig) -> str:
     st = cfg.models.student
-    return getattr(st, "storage_dtype", None) or st.torch_dtype
+    return st.storage_dtype or st.torch_dtype
 
 
 def fmt_bytes(x: float) -> str:
@@ -693,7 +693,7 @@ def format_estimate(est: MemoryEstimate, cfg: RunConfig) -> list[str]:
         "bfloat16": "bf16 weights",
         "float16": "fp16 weights",
     }[st.torch_dtype]
-    if getattr(st, "storage_dtype", None):
+    if st.storage_dtype:
         master += f" ({st.storage_dtype} storage of the frozen layers)"
     mp = est.launch.mixed_precision
     mp_text = {"no": "fp32 compute", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}.get(mp, mp)
