@@ -241,6 +241,7 @@ class ParamCensus:
     largest_block_matmul_not_bf16: int = 0
     configs: list = field(default_factory=list)
     class_names: list = field(default_factory=list)
+    sources: list = field(default_factory=list)
 
 
 def _transformer_sources(cfg: RunConfig) -> list[tuple[Optional[dict], Optional[str]]]:
@@ -255,6 +256,32 @@ def _transformer_sources(cfg: RunConfig) -> list[tuple[Optional[dict], Optional[
             return [(None, EXPERT_SUBFOLDERS["high_noise"]), (None, EXPERT_SUBFOLDERS["low_noise"])]
         return [(None, EXPERT_SUBFOLDERS[st.expert])]
     return [(None, st.subfolder or None)]
+
+
+# The published architectures of the Wan-family repos that the shipped recipes name (width, depth,
+# heads, FFN and channels as released by their authors, in diffusers' config keys; VAE compression
+# in time and space), for an estimate before anything is downloaded: used only when the repo's own
+# config.json is in neither a local folder nor the Hugging Face cache, and the estimate says so.
+_WAN_COMMON = dict(
+    patch_size=[1, 2, 2], attention_head_dim=128, text_dim=4096, freq_dim=256, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+)
+_WAN_1_3B = dict(_WAN_COMMON, num_attention_heads=12, ffn_dim=8960, num_layers=30, in_channels=16, out_channels=16)
+_WAN_14B = dict(_WAN_COMMON, num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=16, out_channels=16)
+PUBLISHED_ARCHITECTURES: dict[str, tuple[dict, tuple[int, int]]] = {
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": (dict(_WAN_1_3B, _class_name="WanTransformer3DModel"), (4, 8)),
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": (dict(_WAN_14B, _class_name="WanTransformer3DModel"), (4, 8)),
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": (
+        dict(_WAN_14B, _class_name="WanTransformer3DModel", in_channels=36, image_dim=1280, added_kv_proj_dim=5120), (4, 8)
+    ),
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": (dict(_WAN_14B, _class_name="WanTransformer3DModel"), (4, 8)),
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": (dict(_WAN_14B, _class_name="WanTransformer3DModel", in_channels=36), (4, 8)),
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": (
+        dict(_WAN_COMMON, _class_name="WanTransformer3DModel", num_attention_heads=24, ffn_dim=14336, num_layers=30,
+             in_channels=48, out_channels=48), (4, 16)
+    ),
+    "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers": (dict(_WAN_1_3B, _class_name="SkyReelsV2Transformer3DModel"), (4, 8)),
+}
 
 
 def read_transformer_configs(cfg: RunConfig) -> list[tuple[dict, str]]:
@@ -272,6 +299,10 @@ def read_transformer_configs(cfg: RunConfig) -> list[tuple[dict, str]]:
             f"folder or Hugging Face cache: `hf download {st.init_from} {files}` (a few KB, no weights) and run again"
         )
         if not _config_reachable(st.init_from, subfolder, st.revision):
+            if st.init_from in PUBLISHED_ARCHITECTURES:
+                config = dict(PUBLISHED_ARCHITECTURES[st.init_from][0])
+                out.append((config, f"the published architecture of {st.init_from} (its config.json is not downloaded)"))
+                continue
             raise missing  # said before the model families (diffusers) are imported
         from fv_accel.models.loading import ModelLoadError, fetch_config
 
@@ -376,6 +407,7 @@ def census(cfg: RunConfig) -> ParamCensus:
         model = build_meta_transformer(cfg, config)
         c.configs.append(config)
         c.class_names.append(type(model).__name__)
+        c.sources.append(where)
         for name, p in model.named_parameters():
             n, size = p.numel(), p.element_size()
             c.total += n
@@ -427,6 +459,9 @@ def _vae_factors_of_model(cfg: RunConfig) -> tuple[int, int, str]:
     from fv_accel.data.loader import VAE_SPATIAL, VAE_TEMPORAL
 
     st = cfg.models.student
+    if st.init_from is not None and st.init_from in PUBLISHED_ARCHITECTURES and not _config_reachable(st.init_from, "vae", st.revision):
+        t, hw = PUBLISHED_ARCHITECTURES[st.init_from][1]
+        return t, hw, f"{st.init_from}'s VAE as published ({t}x time, {hw}x space)"
     if st.init_from is not None:
         from fv_accel.models import family_of
         from fv_accel.models.loading import ModelLoadError
@@ -553,7 +588,7 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
     opt_name = cfg.training.optimizer.name
     n = launch.shards
     host: dict[str, float] = {}
-    notes: list[str] = []
+    notes: list[str] = [f"transformer: {where}" for where in dict.fromkeys(c.sources) if where.startswith("the published")]
     low = launch.mixed_precision in ("bf16", "fp16")
     frozen_bytes = c.param_bytes - c.trainable_bytes
 

@@ -166,11 +166,23 @@ def test_dry_run_prints_the_estimate_as_comments(capsys):
     assert len(memory) == 1 and "16x6x6x6 latent = 54 tokens, batch 2" in memory[0]
 
 
-def test_a_hub_recipe_offline_says_what_the_estimate_needs():
-    cfg = load_config(REPO / "configs" / "wan2_1_t2v_1_3b_sft.yaml")
+def test_a_hub_recipe_offline_says_what_the_estimate_needs(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = load_config(REPO / "configs" / "wan2_1_t2v_1_3b_sft.yaml", {"models.student.init_from": "someone/unknown-wan"})
     (line,) = dry_run_lines(cfg, {})
     assert line.startswith("# memory estimate: needs the transformer's config.json")
-    assert "`hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json vae/config.json`" in line
+    assert "`hf download someone/unknown-wan transformer/config.json vae/config.json`" in line
+
+
+def test_a_shipped_wan_recipe_offline_is_estimated_from_the_published_architecture(monkeypatch):
+    """Before any download: the repo's published architecture, said in the assumptions; the same
+    parameter count as the Wan 1.3B architecture the GPU benchmark recipe spells out inline."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    est = estimate_memory(load_config(REPO / "configs" / "wan2_1_t2v_1_3b_sft.yaml"), {})
+    inline = estimate_memory(load_config(REPO / "configs" / "gpu_bench_1_3b.yaml"), {})
+    assert est.census.total == inline.census.total > 1_000_000_000
+    assert any("published architecture of Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in n for n in est.notes)
+    assert est.activations is not None and est.activations > 0
 
 
 def _memory_benchmark():
