@@ -85,6 +85,7 @@ def test_wrong_type_names_the_key(tmp_path, data, key):
         ({"training.data.training_cfg_rate": 1.5}, "training.data.training_cfg_rate"),
         ({"models.student.flow_shift": 0}, "models.student.flow_shift"),
         ({"training.loop.gradient_accumulation_steps": 0}, "training.loop.gradient_accumulation_steps"),
+        ({"callbacks.validation.distance_clips": -1}, "callbacks.validation.distance_clips"),
     ],
 )
 def test_out_of_range_values_name_the_key(override, key):

@@ -199,8 +199,9 @@ def test_dfsft_run_samples_chunk_by_chunk(tmp_path):
         assert grid.size == (2 * cell_w + 3 * _GRID_GAP, _GRID_HEADER + 48 + _GRID_GAP)
         pixels = np.asarray(grid.convert("RGB")).astype(int)
     last = pixels[_GRID_HEADER : _GRID_HEADER + 48, 2 * _GRID_GAP + cell_w :][:, :cell_w]
-    # The last column is the last step's video: its first and last frames (the mp4 is lossy).
-    assert np.abs(last[:, :48] - video[0]).mean() < 6 and np.abs(last[:, -48:] - video[-1]).mean() < 6
+    # The last column is the last step's video: its first and last frames (the mp4 is lossy: the
+    # tiny VAE's decoder draws high-frequency patterns; a blank or another picture is ~100 away).
+    assert np.abs(last[:, :48] - video[0]).mean() < 16 and np.abs(last[:, -48:] - video[-1]).mean() < 16
     # The distance of the samples to the nearest of 2 training clips (decoded by the same VAE),
     # at both validations, and first and last in the summary.
     rows = [r for r in metrics_rows(tmp_path / "out") if "samples/distance" in r]
