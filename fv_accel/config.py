@@ -253,8 +253,9 @@ class ValidationConfig:
     context_noise: float = 0.0
     use_ema: bool = True
     # Distance of each sample to the training data: its pixel MSE to the nearest of the first
-    # `distance_clips` training clips of its size, decoded by the same VAE (logged as
-    # samples/distance); 0: not measured (it decodes those clips once, at the first validation).
+    # `distance_clips` training clips of its size, decoded by the same VAE (samples/distance), and
+    # its latents' MSE to theirs (samples/latent_distance); 0: not measured (those clips are
+    # decoded once, at the first validation).
     distance_clips: int = 0
     # Held-out loss by noise level. A fraction of the training rows is never trained on (even with
     # validation off, so enabling validation never changes training).

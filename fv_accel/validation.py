@@ -21,9 +21,10 @@ nearest of the first N training clips of its size, those clips decoded by the sa
 latents (the best a model sampling through this VAE can do), and the mean squared distance of its
 normalised latents to the nearest of those clips' latents (independent of the VAE's decoder);
 `samples/distance` and `samples/latent_distance` are the means over the prompts,
-`samples/distance/<name>` and `samples/latent_distance/<name>` each prompt's. The VAE and text encoder come from `model_from`, else the student's
-`init_from`, else the model that encoded the dataset (recorded in its `fv_dataset.json`); prompts
-are encoded once at the start and the text encoder is freed.
+`samples/distance/<name>` and `samples/latent_distance/<name>` each prompt's. The VAE and text
+encoder come from `model_from`, else the student's `init_from`, else the model that encoded the
+dataset (recorded in its `fv_dataset.json`); prompts are encoded once at the start and the text
+encoder is freed.
 
 Held-out loss (`HeldoutLossCallback`): a fixed set of clips (`heldout_data_path`; "tiny" builds
 `heldout_max_samples` fresh tiny clips with the data seed + 1; or a `heldout_fraction` of the
@@ -668,7 +669,8 @@ class VideoSamplingCallback(TrainerCallback):
         # (step, one clip per prompt) of every validation so far: the sample grid's columns.
         self.grid_columns: list[tuple[int, list[np.ndarray]]] = []
         self.distance_clips = val.distance_clips
-        self.references: Optional[list[np.ndarray]] = None  # decoded training clips (distance_clips)
+        # (latents, decoded clip) of the first `distance_clips` training clips, decoded once.
+        self.references: Optional[list[tuple[torch.Tensor, np.ndarray]]] = None
         # (step, samples/distance, samples/latent_distance) of every validation
         self.distances: list[tuple[int, float, float]] = []
 
@@ -824,9 +826,8 @@ class VideoSamplingCallback(TrainerCallback):
             values = [v for k, v in logs.items() if k.startswith(key + "/")]
             if values:
                 logs[key] = float(np.mean(values))
-        if "samples/distance" in logs:
-            self.distances.append((step, logs["samples/distance"], logs.get("samples/latent_distance", math.nan)))
         if logs:
+            self.distances.append((step, logs.get("samples/distance", math.nan), logs.get("samples/latent_distance", math.nan)))
             trainer.log_metrics(logs, step)
             logger.info(
                 "step %d: samples' distance to the nearest training clip: pixel MSE %.4f, latent MSE %.4f",
