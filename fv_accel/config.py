@@ -289,6 +289,11 @@ class ValidationConfig:
     ar_step: Optional[int] = None
     context_noise: float = 0.0
     use_ema: bool = True
+    # Distance of each sample to the training data: its pixel MSE to the nearest of the first
+    # `distance_clips` training clips of its size, decoded by the same VAE (samples/distance), and
+    # its latents' MSE to theirs (samples/latent_distance); 0: not measured (those clips are
+    # decoded once, at the first validation).
+    distance_clips: int = 0
     # Held-out loss by noise level. A fraction of the training rows is never trained on (even with
     # validation off, so enabling validation never changes training).
     heldout_fraction: float = 0.0
@@ -598,6 +603,8 @@ def validate(cfg: RunConfig, source: str) -> None:
         raise bad("callbacks.validation.sampling_flow_shift", val.sampling_flow_shift, "a number > 0")
     if val.fps < 1:
         raise bad("callbacks.validation.fps", val.fps, "an integer >= 1")
+    if val.distance_clips < 0:
+        raise bad("callbacks.validation.distance_clips", val.distance_clips, "an integer >= 0 (0: off)")
     if val.ar_step is not None and val.ar_step < 0:
         raise bad("callbacks.validation.ar_step", val.ar_step, "an integer >= 0, or null (chunk by chunk)")
     if not 0.0 <= val.context_noise < 1.0:

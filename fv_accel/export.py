@@ -14,7 +14,9 @@ Sources, in the order they are looked for: a LoRA file; a folder with
 `pytorch_lora_weights.safetensors` (a LoRA run's output or checkpoint); a folder with
 `transformer/` (a full run's output); an Accelerate checkpoint of a full run (`model.safetensors`
 + `metadata.json`); an output folder with `checkpoint-<step>/` folders (the latest is used).
-Everything is read and written with safetensors.
+Everything is read and written with safetensors. The export's stages (reading, loading the base,
+merging, saving) show as a progress bar on stderr, on the main process only (`RANK` / `LOCAL_RANK`
+unset or 0).
 
 `--push_to_hub REPO` then writes a model card (`README.md`) into the export folder and uploads the
 folder (fv_accel/hub.py); a failed upload is one line and exit status 3, the export kept.
@@ -28,11 +30,13 @@ for a checkpoint, `<output_dir>/exports/final_<to>` for a run's final weights, a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from fv_accel.hub import PUSH_FAILED_EXIT_CODE
 from fv_accel.models.lora import BASE_MODEL_FILE, COMFYUI_LORA_FILE, DIFFUSERS_LORA_FILE
@@ -44,6 +48,51 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 class ExportError(ValueError):
     pass
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a launcher (torchrun / accelerate set RANK and LOCAL_RANK), or no launcher."""
+    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK"))
+
+
+# A stage of an export: `with stage("saving"): ...` names it on the bar while it runs.
+Stage = Callable[[str], contextlib.AbstractContextManager]
+
+
+@contextlib.contextmanager
+def _no_stage(name: str) -> Iterator[None]:
+    yield
+
+
+class ExportProgress:
+    """A tqdm bar over an export's stages (stderr, main process only); the current stage is its postfix."""
+
+    def __init__(self, to: str, total: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(
+            total=total, desc=f"export --to {to}", unit="stage", disable=not is_main_process(), dynamic_ncols=True
+        )
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        self.bar.set_postfix_str(name)
+        yield
+        if self.bar.n + 1 == self.bar.total:
+            self.bar.set_postfix_str("done", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def stage_count(src: "ExportSource", to: str) -> int:
+    """Stages of an export of `src` to `to` (the bar's total); see the `stage(...)` calls below."""
+    if to == "merged":
+        return 4  # reading the LoRA, loading the base, merging, saving
+    if to == "diffusers" and src.kind == "full" and src.transformer_dir is None:
+        return 3  # reading the checkpoint, loading the weights, saving
+    return 1  # one copy or conversion
 
 
 @dataclass
@@ -162,40 +211,45 @@ def _save_transformer(transformer, out: Path, attention: Optional[dict[str, Any]
     return target
 
 
-def export_diffusers(src: ExportSource, out: Path) -> list[Path]:
+def export_diffusers(src: ExportSource, out: Path, stage: Stage = _no_stage) -> list[Path]:
     from fv_accel.models.lora import read_lora_file
 
     out.mkdir(parents=True, exist_ok=True)
     if src.kind == "lora":
-        _, metadata = read_lora_file(src.lora_file)  # validates layout and metadata
-        if metadata is None:
-            raise ExportError(f"{src.lora_file}: no adapter metadata (alpha unknown)")
-        target = out / DIFFUSERS_LORA_FILE
-        if target.resolve() != src.lora_file.resolve():
-            shutil.copyfile(src.lora_file, target)
+        with stage("copying the LoRA"):
+            _, metadata = read_lora_file(src.lora_file)  # validates layout and metadata
+            if metadata is None:
+                raise ExportError(f"{src.lora_file}: no adapter metadata (alpha unknown)")
+            target = out / DIFFUSERS_LORA_FILE
+            if target.resolve() != src.lora_file.resolve():
+                shutil.copyfile(src.lora_file, target)
         return [target]
     if src.transformer_dir is not None:
-        target = out / "transformer"
-        if target.resolve() != src.transformer_dir.resolve():
-            shutil.copytree(src.transformer_dir, target, dirs_exist_ok=True)
+        with stage("copying the transformer"):
+            target = out / "transformer"
+            if target.resolve() != src.transformer_dir.resolve():
+                shutil.copytree(src.transformer_dir, target, dirs_exist_ok=True)
         return [target]
     # A full run's Accelerate checkpoint: rebuild the module from the config, load, save_pretrained.
     from safetensors.torch import load_file
 
-    cls, config = _transformer_class(_student_config(src.base, None, None))
-    transformer = cls.from_config(config)
-    state = load_file(str(src.checkpoint_weights))
-    for prefix in WRAPPER_PREFIXES:
-        if all(k.startswith(prefix) for k in state):
-            state = {k[len(prefix):]: v for k, v in state.items()}
-    dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
-    transformer.load_state_dict(state, strict=True)
-    if len(dtypes) == 1:
-        transformer.to(dtypes.pop())
-    return [_save_transformer(transformer, out, src.base.get("attention"))]
+    with stage("reading the checkpoint"):
+        cls, config = _transformer_class(_student_config(src.base, None, None))
+        transformer = cls.from_config(config)
+        state = load_file(str(src.checkpoint_weights))
+    with stage("loading the weights"):
+        for prefix in WRAPPER_PREFIXES:
+            if all(k.startswith(prefix) for k in state):
+                state = {k[len(prefix):]: v for k, v in state.items()}
+        dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+        transformer.load_state_dict(state, strict=True)
+        if len(dtypes) == 1:
+            transformer.to(dtypes.pop())
+    with stage("saving the transformer"):
+        return [_save_transformer(transformer, out, src.base.get("attention"))]
 
 
-def export_comfyui(src: ExportSource, out: Path) -> list[Path]:
+def export_comfyui(src: ExportSource, out: Path, stage: Stage = _no_stage) -> list[Path]:
     from fv_accel.models.lora import read_lora_file, save_comfyui_lora
 
     if src.kind != "lora":
@@ -205,8 +259,9 @@ def export_comfyui(src: ExportSource, out: Path) -> list[Path]:
     family = _family(src.base)
     if not family.comfyui_lora:
         raise ExportError(f"{src.path}: ComfyUI has no LoRA layout for the {family.family} family; use --to diffusers or merged")
-    state, metadata = read_lora_file(src.lora_file)
-    return [save_comfyui_lora(out / COMFYUI_LORA_FILE, state, metadata, family.comfyui_module_name)]
+    with stage("converting the LoRA"):
+        state, metadata = read_lora_file(src.lora_file)
+        return [save_comfyui_lora(out / COMFYUI_LORA_FILE, state, metadata, family.comfyui_module_name)]
 
 
 def _family(base: dict[str, Any]) -> type:
@@ -228,7 +283,9 @@ def _family(base: dict[str, Any]) -> type:
     return WanStudent
 
 
-def export_merged(src: ExportSource, out: Path, *, base: Optional[str] = None, dtype: Optional[str] = None) -> list[Path]:
+def export_merged(
+    src: ExportSource, out: Path, *, base: Optional[str] = None, dtype: Optional[str] = None, stage: Stage = _no_stage
+) -> list[Path]:
     from fv_accel.models.lora import merge_lora, read_lora_file
     from fv_accel.models.loading import load_transformer
 
@@ -240,14 +297,18 @@ def export_merged(src: ExportSource, out: Path, *, base: Optional[str] = None, d
             f"{src.path}: the run's base was built from models.student.transformer_config (random "
             "init, not saved); pass --base MODEL (Hub id or folder of the base it was trained on)"
         )
-    cls, _ = _transformer_class(st)
-    classes = _family(src.base).transformer_classes
-    transformer = load_transformer(st, classes, {c.__name__: kind for kind, c in classes.items()})
-    if not isinstance(transformer, cls):
-        raise ExportError(f"model '{st.init_from}': its transformer is a {type(transformer).__name__}, not the run's {cls.__name__}")
-    state, metadata = read_lora_file(src.lora_file)
-    merge_lora(transformer, state, metadata)
-    return [_save_transformer(transformer, out, src.base.get("attention"))]
+    with stage("reading the LoRA"):
+        cls, _ = _transformer_class(st)
+        state, metadata = read_lora_file(src.lora_file)
+    with stage(f"loading the base {st.init_from}"):
+        classes = _family(src.base).transformer_classes
+        transformer = load_transformer(st, classes, {c.__name__: kind for kind, c in classes.items()})
+        if not isinstance(transformer, cls):
+            raise ExportError(f"model '{st.init_from}': its transformer is a {type(transformer).__name__}, not the run's {cls.__name__}")
+    with stage("merging"):
+        merge_lora(transformer, state, metadata)
+    with stage("saving the transformer"):
+        return [_save_transformer(transformer, out, src.base.get("attention"))]
 
 
 def _enclosing_checkpoint(path: Path) -> Optional[Path]:
@@ -279,11 +340,15 @@ def export(path: str | Path, to: str, out: Optional[str | Path] = None, *, base:
             f"outside it (the default is {default_export_dir(src, to)})"
         )
     out_dir = Path(out) if out is not None else default_export_dir(src, to)
-    if to == "diffusers":
-        return export_diffusers(src, out_dir)
-    if to == "comfyui":
-        return export_comfyui(src, out_dir)
-    return export_merged(src, out_dir, base=base, dtype=dtype)
+    progress = ExportProgress(to, stage_count(src, to))
+    try:
+        if to == "diffusers":
+            return export_diffusers(src, out_dir, progress.stage)
+        if to == "comfyui":
+            return export_comfyui(src, out_dir, progress.stage)
+        return export_merged(src, out_dir, base=base, dtype=dtype, stage=progress.stage)
+    finally:
+        progress.close()
 
 
 def main(argv: Optional[list[str]] = None) -> None:

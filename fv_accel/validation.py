@@ -13,9 +13,18 @@ may set `prompt`, `negative_prompt`, `height`, `width`, `frames`, `steps`, `guid
 `name`. A fine-tuned Wan student samples through diffusers' `WanPipeline`; a DFSFT student
 through the diffusion-forcing sampler of `fv_accel.sampling` (chunk by chunk). Videos are written
 to `<output_dir>/samples/step-<n>/` as mp4 and logged to TensorBoard (animated image summaries)
-and W&B (videos). The VAE and text encoder come from `model_from`, else the student's
-`init_from`, else the model that encoded the dataset (recorded in its `fv_dataset.json`); prompts
-are encoded once at the start and the text encoder is freed.
+and W&B (videos). `<output_dir>/samples/grid.png` (also logged as the image `validation/grid`)
+shows every validation so far: a row per prompt, a column per step, each cell a strip of
+GRID_FRAMES frames spread over the clip (first to last). With `distance_clips` N > 0, each
+sample's distance to the training data is logged: its pixel MSE (pixels in [-1, 1]) to the
+nearest of the first N training clips of its size, those clips decoded by the same VAE from their
+latents (the best a model sampling through this VAE can do), and the mean squared distance of its
+normalised latents to the nearest of those clips' latents (independent of the VAE's decoder);
+`samples/distance` and `samples/latent_distance` are the means over the prompts,
+`samples/distance/<name>` and `samples/latent_distance/<name>` each prompt's. The VAE and text
+encoder come from `model_from`, else the student's `init_from`, else the model that encoded the
+dataset (recorded in its `fv_dataset.json`); prompts are encoded once at the start and the text
+encoder is freed.
 
 Held-out loss (`HeldoutLossCallback`): a fixed set of clips (`heldout_data_path`; "tiny" builds
 `heldout_max_samples` fresh tiny clips with the data seed + 1; or a `heldout_fraction` of the
@@ -554,6 +563,71 @@ def log_videos(accelerator: Any, videos: list[tuple[str, np.ndarray, Path]], ste
             )
 
 
+# Frames of each clip in a cell of the sample grid (evenly spaced, first to last).
+GRID_FRAMES = 5
+_GRID_GAP = 4  # pixels between cells (1 between the frames of a cell)
+_GRID_HEADER = 14  # pixels of the header row ("step N")
+
+
+def grid_cell(frames: np.ndarray, count: int = GRID_FRAMES) -> np.ndarray:
+    """uint8 [F, H, W, 3] -> a strip of `count` evenly spaced frames [H, count * (W + 1) - 1, 3]."""
+    picks = np.unique(np.linspace(0, len(frames) - 1, count).round().astype(int))
+    h, w = frames.shape[1:3]
+    strip = np.full((h, len(picks) * (w + 1) - 1, 3), 255, dtype=np.uint8)
+    for k, f in enumerate(picks):
+        strip[:, k * (w + 1) : k * (w + 1) + w] = frames[f]
+    return strip
+
+
+def sample_grid(columns: Sequence[tuple[int, Sequence[np.ndarray]]]) -> np.ndarray:
+    """The sample grid as uint8 [H, W, 3]: `columns` are (step, one clip per prompt), the same
+    prompts in the same order at every step; row r is prompt r, column c the c-th step, under a
+    header naming the step."""
+    from PIL import Image, ImageDraw
+
+    cells = [[grid_cell(clip) for clip in clips] for _, clips in columns]
+    rows = len(cells[0])
+    row_h = [max(col[r].shape[0] for col in cells) for r in range(rows)]
+    col_w = [max(c.shape[1] for c in col) for col in cells]
+    height = _GRID_HEADER + sum(row_h) + _GRID_GAP * rows
+    width = sum(col_w) + _GRID_GAP * (len(cells) + 1)
+    grid = np.full((height, width, 3), 255, dtype=np.uint8)
+    x = _GRID_GAP
+    for (step, _), col, w in zip(columns, cells, col_w):
+        y = _GRID_HEADER
+        for r, cell in enumerate(col):
+            grid[y : y + cell.shape[0], x : x + cell.shape[1]] = cell
+            y += row_h[r] + _GRID_GAP
+        x += w + _GRID_GAP
+    image = Image.fromarray(grid)
+    draw = ImageDraw.Draw(image)
+    x = _GRID_GAP
+    for (step, _), w in zip(columns, col_w):
+        draw.text((x, 1), f"step {step}", fill=(0, 0, 0))
+        x += w + _GRID_GAP
+    return np.asarray(image)
+
+
+def log_grid(accelerator: Any, grid: np.ndarray, path: Path, step: int) -> None:
+    """The sample grid to the trackers as the image `validation/grid` (TensorBoard, W&B)."""
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.writer.add_image("validation/grid", grid, step, dataformats="HWC")
+            tracker.writer.flush()
+        elif tracker.name == "wandb":
+            import wandb
+
+            tracker.run.log({"validation/grid": wandb.Image(str(path))}, step=step)
+
+
+def clip_distance(sample: np.ndarray, references: Sequence[np.ndarray]) -> Optional[float]:
+    """Pixel MSE (pixels in [-1, 1]) of a uint8 clip [F, H, W, 3] to the nearest reference clip
+    of its shape; None when no reference has its shape."""
+    x = sample.astype(np.float32) / 127.5 - 1.0
+    scores = [float(np.mean((x - (r.astype(np.float32) / 127.5 - 1.0)) ** 2)) for r in references if r.shape == sample.shape]
+    return min(scores) if scores else None
+
+
 class VideoSamplingCallback(TrainerCallback):
     """Sample videos from the live student (EMA weights when available) at validation steps."""
 
@@ -595,6 +669,13 @@ class VideoSamplingCallback(TrainerCallback):
         self.written: list[Path] = []
         # An image-to-video student samples from the first frame of a training clip (see _load).
         self.condition: Optional[dict] = None
+        # (step, one clip per prompt) of every validation so far: the sample grid's columns.
+        self.grid_columns: list[tuple[int, list[np.ndarray]]] = []
+        self.distance_clips = val.distance_clips
+        # (latents, decoded clip) of the first `distance_clips` training clips, decoded once.
+        self.references: Optional[list[tuple[torch.Tensor, np.ndarray]]] = None
+        # (step, samples/distance, samples/latent_distance) of every validation
+        self.distances: list[tuple[int, float, float]] = []
 
     def _samples_here(self, acc: Any) -> bool:
         # Sharded weights and context parallelism need every rank in each forward; otherwise the
@@ -716,6 +797,67 @@ class VideoSamplingCallback(TrainerCallback):
             x[:, :, :clean] = first
         return x
 
+    def _reference_clips(self, student: Any) -> list[tuple[torch.Tensor, np.ndarray]]:
+        """The first `distance_clips` training clips (rows the training loader sees): (normalised
+        latents [C, T, H, W] on the CPU, the clip decoded by the sampling VAE, uint8 [F, H, W, 3])."""
+        from fv_accel.data.loader import LatentDataset
+        from fv_accel.sampling import decode_latents
+
+        excluded = set(training_exclusions(self.cfg, self.data_path))
+        dataset = LatentDataset(self.data_path)
+        rows = [r for r in range(len(dataset)) if r not in excluded][: self.distance_clips]
+        clips = []
+        for row in rows:
+            latents = student.clean_latents(collate_one(dataset[(row, 0, 0)]))
+            frames = decode_latents(self.vae, latents, student.latents_mean, student.latents_std, decode=type(student).decode)[0]
+            clips.append((latents[0].float().cpu(), frames))
+        return clips
+
+    def _log_distance(self, trainer: Any, student: Any, step: int, samples: list[tuple[str, torch.Tensor, np.ndarray]]) -> None:
+        """samples/distance (pixels) and samples/latent_distance of (name, latents, frames) per prompt."""
+        if self.references is None:
+            self.references = self._reference_clips(student)
+        logs: dict[str, float] = {}
+        for name, latents, frames in samples:
+            pixel = clip_distance(frames, [f for _, f in self.references])
+            if pixel is not None:
+                logs[f"samples/distance/{name}"] = pixel
+            z = latents[0].float().cpu()
+            scores = [float(((z - r) ** 2).mean()) for r, _ in self.references if r.shape == z.shape]
+            if scores:
+                logs[f"samples/latent_distance/{name}"] = min(scores)
+        for key in ("samples/distance", "samples/latent_distance"):
+            values = [v for k, v in logs.items() if k.startswith(key + "/")]
+            if values:
+                logs[key] = float(np.mean(values))
+        if logs:
+            self.distances.append((step, logs.get("samples/distance", math.nan), logs.get("samples/latent_distance", math.nan)))
+            trainer.log_metrics(logs, step)
+            logger.info(
+                "step %d: samples' distance to the nearest training clip: pixel MSE %.4f, latent MSE %.4f",
+                step, logs.get("samples/distance", math.nan), logs.get("samples/latent_distance", math.nan),
+            )
+
+    def _write_grid(self, trainer: Any, step: int, videos: list[tuple[str, np.ndarray, Path]]) -> None:
+        from PIL import Image
+
+        self.grid_columns.append((step, [frames for _, frames, _ in videos]))
+        grid = sample_grid(self.grid_columns)
+        path = Path(trainer.output_dir) / "samples" / "grid.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(grid).save(path)
+        log_grid(trainer.accelerator, grid, path, step)
+
+    def summary(self) -> dict[str, Any]:
+        if not self.distances:
+            return {}
+        return {
+            "first_sample_distance": self.distances[0][1],
+            "last_sample_distance": self.distances[-1][1],
+            "first_sample_latent_distance": self.distances[0][2],
+            "last_sample_latent_distance": self.distances[-1][2],
+        }
+
     def sample(self, trainer: Any, step: int) -> list[Path]:
         """Render every prompt; the main process writes mp4s and logs them. Returns the paths."""
         from fv_accel.data.video import write_video
@@ -727,6 +869,7 @@ class VideoSamplingCallback(TrainerCallback):
             t0 = time.perf_counter()
             out_dir = Path(trainer.output_dir) / "samples" / f"step-{step}"
             videos = []
+            samples = []  # (name, latents, frames) for the distance to the training clips
             ema = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
             with evaluation_mode(trainer) as student, ema:
                 self.vae.to(acc.device)
@@ -739,11 +882,15 @@ class VideoSamplingCallback(TrainerCallback):
                         if acc.is_main_process:
                             path = write_video(out_dir / f"{p.name}.mp4", frames, fps=self.val.fps)
                             videos.append((p.name, frames, path))
+                            samples.append((p.name, latents, frames))
                             paths.append(path)
+                    if acc.is_main_process and self.distance_clips and self.data_path:
+                        self._log_distance(trainer, student, step, samples)
                 finally:
                     self.vae.to("cpu")
             if acc.is_main_process:
                 log_videos(acc, videos, step, self.val.fps)
+                self._write_grid(trainer, step, videos)
                 trainer.log_metrics({"validation/sampling_time_s": time.perf_counter() - t0}, step)
                 logger.info("step %d: %d sample video(s) in %s", step, len(paths), out_dir)
         acc.wait_for_everyone()

@@ -93,6 +93,7 @@ def test_wrong_type_names_the_key(tmp_path, data, key):
             {"models.student.storage_dtype": "bfloat16", "models.student.lora.enable": True, "training.model.compile": "blocks"},
             "training.model.compile",
         ),
+        ({"callbacks.validation.distance_clips": -1}, "callbacks.validation.distance_clips"),
     ],
 )
 def test_out_of_range_values_name_the_key(override, key):

@@ -4,6 +4,7 @@ diffusers loads (LoRA with metadata, ComfyUI layout, merged transformer, full tr
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -156,11 +157,17 @@ def test_full_run_saves_a_transformer_folder_that_reloads(full_run):
     assert (transformer_prediction(reloaded, x, t, text) - student_prediction(run.method.student, x, t, text)).abs().max() < 1e-5
 
 
-def test_full_checkpoint_exports_to_a_transformer_folder(full_run, tmp_path):
+def test_full_checkpoint_exports_to_a_transformer_folder(full_run, tmp_path, capsys, monkeypatch):
     from diffusers import WanTransformer3DModel
 
     _, out, at_step_1 = full_run
     export_main([str(out / "checkpoint-1"), "--to", "diffusers", "--out", str(tmp_path / "ck1")])
+    # The export's stages as a progress bar on stderr (reading, loading, saving), on rank 0 only.
+    assert re.search(r"export --to diffusers: 100%.*\| 3/3 .*done", capsys.readouterr().err)
+    monkeypatch.setenv("RANK", "1")
+    export_main([str(out / "checkpoint-1"), "--to", "diffusers", "--out", str(tmp_path / "ck1-rank1")])
+    assert "export --to" not in capsys.readouterr().err
+    monkeypatch.delenv("RANK")
     exported = WanTransformer3DModel.from_pretrained(tmp_path / "ck1", subfolder="transformer").state_dict()
     assert exported.keys() == at_step_1.keys()
     assert all(torch.equal(exported[k], at_step_1[k]) for k in exported)

@@ -33,6 +33,7 @@ def validation_overrides(tmp_path, **extra):
             "callbacks.validation.heldout_data_path": None,
             "callbacks.validation.heldout_fraction": 0.25,
             "callbacks.validation.heldout_max_samples": 2,
+            "callbacks.validation.distance_clips": 0,
             "training.loop.max_train_steps": 2,
             "training.checkpoint.save_final": False,
             **extra,
@@ -150,12 +151,17 @@ def test_dfsft_run_samples_chunk_by_chunk(tmp_path):
     over = validation_overrides(
         tmp_path,
         **{
-            # 13 frames -> 4 latent frames -> chunks [0, 3) and [3, 4).
-            "callbacks.validation.num_frames": 13,
+            # The training clips' size (21 frames of 48x48, the tiny data's): 6 latent frames ->
+            # chunks [0, 3) and [3, 6).
+            "callbacks.validation.num_frames": None,
+            "callbacks.validation.height": None,
+            "callbacks.validation.width": None,
             "callbacks.validation.ar_step": None,
             "callbacks.validation.context_noise": 0.05,
             "callbacks.ema.enable": True,
             "callbacks.ema.decay": 0.5,
+            "callbacks.validation.at_start": True,
+            "callbacks.validation.distance_clips": 2,
         },
     )
     run = build("dfsft", over)
@@ -168,19 +174,49 @@ def test_dfsft_run_samples_chunk_by_chunk(tmp_path):
         return original(x, t, cond)
 
     student.forward = counting
-    Trainer(run).run()
+    summary = Trainer(run).run()
 
     video = decode_mp4(tmp_path / "out" / "samples" / "step-2" / "00-a-white-square-moving-up-on-a-light-back.mp4")
-    assert video.shape == (13, 32, 32, 3)
-    # 2 training steps; held-out: 2 clips x (5 buckets + 2 chunk patterns); sampling: chunk by chunk
-    # 2 steps per chunk, 2 chunks -> 4 rounds, twice each for guidance.
-    rounds = num_rounds(4, 3, 2, None)
+    assert video.shape == (21, 48, 48, 3)
+    # 2 training steps; held-out at the start and at step 2: 2 clips x (5 buckets + 2 chunk
+    # patterns); sampling at both: chunk by chunk 2 steps per chunk, 2 chunks -> 4 rounds, twice
+    # each for guidance.
+    rounds = num_rounds(6, 3, 2, None)
     assert rounds == 4
-    assert len(calls) == 2 + 2 * 7 + 2 * rounds
+    assert len(calls) == 2 + 2 * (2 * 7 + 2 * rounds)
     assert all(len(shape) == 2 for shape in calls)  # per-frame timesteps everywhere in DFSFT
     row = [r for r in metrics_rows(tmp_path / "out") if "heldout/loss" in r][0]
     assert {"heldout/chunks_ramp_up", "heldout/chunks_ramp_down"} <= set(row)
     assert row["heldout/chunks_ramp_up"] != row["heldout/chunks_ramp_down"]
+    # The sample grid: a row per prompt (one), a column per validation (steps 0 and 2), each cell a
+    # strip of 5 frames of 48x48 under a header row.
+    from PIL import Image
+
+    from fv_accel.validation import _GRID_GAP, _GRID_HEADER, GRID_FRAMES
+
+    with Image.open(tmp_path / "out" / "samples" / "grid.png") as grid:
+        cell_w = GRID_FRAMES * 49 - 1
+        assert grid.size == (2 * cell_w + 3 * _GRID_GAP, _GRID_HEADER + 48 + _GRID_GAP)
+        pixels = np.asarray(grid.convert("RGB")).astype(int)
+    last = pixels[_GRID_HEADER : _GRID_HEADER + 48, 2 * _GRID_GAP + cell_w :][:, :cell_w]
+    # The last column is the last step's video: its first and last frames (the mp4 is lossy: the
+    # tiny VAE's decoder draws high-frequency patterns; a blank or another picture is ~100 away).
+    assert np.abs(last[:, :48] - video[0]).mean() < 16 and np.abs(last[:, -48:] - video[-1]).mean() < 16
+    # The distance of the samples to the nearest of 2 training clips (decoded by the same VAE),
+    # at both validations, and first and last in the summary.
+    rows = [r for r in metrics_rows(tmp_path / "out") if "samples/distance" in r]
+    assert [r["step"] for r in rows] == [0, 2]
+    name = "00-a-white-square-moving-up-on-a-light-back"
+    for key in ("samples/distance", "samples/latent_distance"):
+        assert all(r[key] == r[f"{key}/{name}"] > 0 for r in rows)
+    assert summary["first_sample_distance"] == rows[0]["samples/distance"]
+    assert summary["last_sample_distance"] == rows[1]["samples/distance"]
+    assert summary["last_sample_latent_distance"] == rows[1]["samples/latent_distance"]
+    # The references: the first 2 training clips, decoded at the training clips' size.
+    from fv_accel.validation import VideoSamplingCallback
+
+    references = callback_of(run, VideoSamplingCallback).references
+    assert [f.shape for _, f in references] == [(21, 48, 48, 3)] * 2
 
 
 def test_validation_does_not_change_training(tmp_path):

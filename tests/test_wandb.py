@@ -49,6 +49,7 @@ def test_offline_wandb_run_holds_the_losses_videos_and_plots(tmp_path, tiny_data
     assert isinstance(merged["heldout/loss"], float)
     # Media rows are flattened to "<key>/<field>"; their files sit under the run's files/media.
     assert merged["validation/00-a-white-square-moving-up-on-a-light-back/_type"] == "video-file"
+    assert merged["validation/grid/_type"] == "image-file"  # the sample grid (samples/grid.png)
     assert merged["plots/heldout_loss/_type"] == "image-file" and merged["plots/loss/_type"] == "image-file"
     assert list((run_dir / "files" / "media" / "videos").rglob("*.mp4"))
     assert list((run_dir / "files" / "media" / "images").rglob("*.png"))

@@ -10,20 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from fv_accel.tiny.cache import default_cache_dir  # noqa: F401 (re-exported)
 from fv_accel.tiny.clips import COLORS, MOTIONS, ClipSpec, render_clip, tiny_clip_specs  # noqa: F401 (re-exported)
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("FV_ACCEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "fv_accel"
-    )
-    return Path(root)
 
 
 def tiny_dataset_dir(data_cfg, cache_dir: Optional[str] = None) -> Path:

@@ -6,7 +6,8 @@ Each variant mirrors the layout of a real diffusers repo at toy sizes: the same 
 keys and component classes, the same transformer channel counts and conditioning (image
 cross-attention, two experts and their `boundary_ratio`, `expand_timesteps`), the same VAE
 geometry (the Wan 2.2 VAE: 48 latent channels, 16x spatial). The stock pipeline of the repo loads
-the folder with `DiffusionPipeline.from_pretrained(DIR)`. The transformer's width and depth are
+the folder with `DiffusionPipeline.from_pretrained(DIR)`. With `trained_decoder=True` the Wan 2.1
+VAE's decoder is trained to invert its seeded random encoder (fv_accel.tiny.vae; once, cached). The transformer's width and depth are
 those of the inline `models.student.transformer_config` of the built-in tiny recipe (the one
 source of those numbers); each VAE's `latents_mean`/`latents_std` are measured on procedural clips.
 """
@@ -247,7 +248,27 @@ def build_scheduler(variant: TinyVariant):
     )
 
 
-def write_tiny_variant(out_dir: str | Path, name: str = DEFAULT_TINY_MODEL, seed: int = 0, latents_stats: Optional[tuple] = None) -> Path:
+def build_tiny_vae_for(seed: int, kind: str = "wan2.1", *, trained_decoder: bool = False):
+    """The tiny VAE `kind` drawn from `seed`; with `trained_decoder` the Wan 2.1 one gets its trained
+    decoder (fv_accel.tiny.vae: the encoder, hence every latent, is that of the random VAE). Off by
+    default: its recipe trains in about two minutes of CPU and reconstructs no better than a flat
+    colour per clip (see fv_accel.tiny.vae)."""
+    vae = build_tiny_vae(seed, kind)
+    if trained_decoder and kind == "wan2.1":
+        from fv_accel.tiny.vae import with_trained_decoder
+
+        vae = with_trained_decoder(vae, TINY_VAE_CONFIG, seed)
+    return vae
+
+
+def write_tiny_variant(
+    out_dir: str | Path,
+    name: str = DEFAULT_TINY_MODEL,
+    seed: int = 0,
+    latents_stats: Optional[tuple] = None,
+    *,
+    trained_decoder: bool = False,
+) -> Path:
     """Write the tiny model `name` (a key of TINY_MODELS) to `out_dir`; returns its path.
 
     Deterministic for a given seed: the tokenizer, then the text encoder (seed + 1), the VAE
@@ -261,7 +282,7 @@ def write_tiny_variant(out_dir: str | Path, name: str = DEFAULT_TINY_MODEL, seed
     out = Path(out_dir)
     tokenizer = build_tiny_tokenizer()
     text_encoder = build_tiny_text_encoder(len(tokenizer), seed + 1)
-    vae = build_tiny_vae(seed + 2, variant.vae)
+    vae = build_tiny_vae_for(seed + 2, variant.vae, trained_decoder=trained_decoder)
     if latents_stats is None:
         latents_stats = _tiny_vae_latent_stats(variant.vae, seed + 2)
     vae.register_to_config(latents_mean=latents_stats[0], latents_std=latents_stats[1])
