@@ -360,10 +360,12 @@ def checkpointing_cuts(results: list[dict], *, without_grads: bool = False) -> d
     by_key = {}
     for r in results:
         if "error" not in r:
-            by_key[(r["method"], r["lora"], r["T"], r["batch"], r["ckpt"])] = r
+            # Pairs differ only in checkpointing: the option modes (compile, fp8 storage) pair among themselves.
+            extra = json.dumps(r.get("overrides") or {}, sort_keys=True)
+            by_key[(r["method"], r["lora"], r["T"], r["batch"], extra, r["ckpt"])] = r
     out = {}
-    for (method, lora, T, batch, ckpt), r in by_key.items():
-        other = by_key.get((method, lora, T, batch, False))
+    for (method, lora, T, batch, extra, ckpt), r in by_key.items():
+        other = by_key.get((method, lora, T, batch, extra, False))
         if not ckpt or other is None:
             continue
         on, off = r["activation_gb"], other["activation_gb"]
