@@ -3,8 +3,6 @@ layer) and `--dry-run` prints it, with the Hub id and the variant's keys as docu
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -66,14 +64,16 @@ def test_every_real_recipe_is_listed():
 
 
 @pytest.mark.parametrize("name", ["wan2_2_t2v_a14b_lora_low_noise", "wan2_2_ti2v_5b_dfsft", "wan2_1_i2v_14b_480p_lora"])
-def test_dry_run_prints_the_resolved_recipe(name):
-    script = "train_dfsft.py" if WAN_RECIPES[name][1] == "dfsft" else "train_finetune.py"
-    out = subprocess.run(
-        [sys.executable, script, "--config", f"configs/{name}.yaml", "--dry-run"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    printed = yaml.safe_load(out.stdout)
+def test_dry_run_prints_the_resolved_recipe(name, capsys, monkeypatch):
+    """In process, as the entry scripts run it (tests/test_config.py launches one as a script)."""
+    from fv_accel.cli import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(WAN_RECIPES[name][1], ["--config", f"configs/{name}.yaml", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    printed = yaml.safe_load(out)
+    assert "# memory estimate per process" in out  # offline: the repo's published architecture
     st = printed["models"]["student"]
     assert st["init_from"] == WAN_RECIPES[name][0]
     assert st["expert"] == WAN_RECIPES[name][2]
