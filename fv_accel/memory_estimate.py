@@ -298,10 +298,11 @@ def read_transformer_configs(cfg: RunConfig) -> list[tuple[dict, str]]:
             f"needs the transformer's config.json ({st.init_from}/{subfolder or '.'}/config.json), not in the local "
             f"folder or Hugging Face cache: `hf download {st.init_from} {files}` (a few KB, no weights) and run again"
         )
+        published = PUBLISHED_ARCHITECTURES.get(st.init_from)
+        fallback = (dict(published[0]), f"the published architecture of {st.init_from} (its config.json could not be read)") if published else None
         if not _config_reachable(st.init_from, subfolder, st.revision):
-            if st.init_from in PUBLISHED_ARCHITECTURES:
-                config = dict(PUBLISHED_ARCHITECTURES[st.init_from][0])
-                out.append((config, f"the published architecture of {st.init_from} (its config.json is not downloaded)"))
+            if fallback is not None:
+                out.append(fallback)
                 continue
             raise missing  # said before the model families (diffusers) are imported
         from fv_accel.models.loading import ModelLoadError, fetch_config
@@ -309,6 +310,9 @@ def read_transformer_configs(cfg: RunConfig) -> list[tuple[dict, str]]:
         try:
             config = fetch_config(st.init_from, subfolder, revision=st.revision, required=True)
         except ModelLoadError:
+            if fallback is not None:
+                out.append(fallback)
+                continue
             raise missing from None
         out.append((config, f"{st.init_from}/{subfolder or '.'}/config.json"))
     return out
@@ -470,6 +474,9 @@ def _vae_factors_of_model(cfg: RunConfig) -> tuple[int, int, str]:
             spec = family_of(cfg).encoding_spec(st.init_from, st.revision)
         except (ModelLoadError, ValueError, KeyError) as err:
             del err
+            if st.init_from in PUBLISHED_ARCHITECTURES:
+                t, hw = PUBLISHED_ARCHITECTURES[st.init_from][1]
+                return t, hw, f"{st.init_from}'s VAE as published ({t}x time, {hw}x space)"
             raise EstimateUnavailable(
                 f"activations need the VAE's compression from {st.init_from}/vae/config.json, not in the local folder "
                 f"or Hugging Face cache: `hf download {st.init_from} vae/config.json`"
