@@ -31,9 +31,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 # The fast lane: recipe parsing and validation, schedulers, the methods' losses, the data loader,
-# input errors, the model card and Hub push; no multi-process or slow test. CI runs `make test`.
+# input errors, the model card and Hub push, the context-parallel layout and the memory estimate;
+# no multi-process or slow test. CI runs `make test`.
 FAST_TESTS := tests/test_config.py tests/test_schedulers.py tests/test_layering.py tests/test_timestep_range.py \
-	tests/test_methods.py tests/test_loader.py tests/test_bad_input.py tests/test_hub.py
+	tests/test_methods.py tests/test_loader.py tests/test_bad_input.py tests/test_hub.py \
+	tests/test_context_parallel.py tests/test_memory_estimate.py
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not multiproc" $(FAST_TESTS)
 

@@ -15,7 +15,7 @@ def test_offline_wandb_run_holds_the_losses_videos_and_plots(tmp_path, tiny_data
     pytest.importorskip("wandb")
     from fv_accel.build import build_from_config
     from fv_accel.trainer import Trainer
-    from tests.wandb_reader import history, read_records
+    from tests.wandb_reader import history, read_complete_records
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
@@ -36,9 +36,13 @@ def test_offline_wandb_run_holds_the_losses_videos_and_plots(tmp_path, tiny_data
         "callbacks.validation.heldout_max_samples": 2,
     }
     Trainer(build_from_config(default_recipe("dfsft"), overrides)).run()
+    import wandb
+
+    # W&B's service process writes the run file: shut it down so that the file is complete.
+    wandb.teardown()
     (run_dir,) = (tmp_path / "wandb_dir" / "wandb").glob("offline-run-*")
     (run_file,) = run_dir.glob("run-*.wandb")
-    records = read_records(run_file)
+    records = read_complete_records(run_file)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.display_name, run.project) == ("wb_run", "wb_project")
     rows = history(records)

@@ -42,6 +42,25 @@ def read_records(path: str | Path) -> list:
     return records
 
 
+def read_complete_records(path: str | Path, timeout_s: float = 60.0) -> list:
+    """The records once the file holds the run's `exit` record (W&B writes it last, from its
+    service process, which may still be writing when the run object has finished)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            records = read_records(path)
+            if any(r.WhichOneof("record_type") == "exit" for r in records):
+                return records
+        except Exception:  # noqa: BLE001 - a record still being written
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path}: no exit record after {timeout_s:.0f}s")
+        time.sleep(0.5)
+
+
 def history(records: list) -> list[dict]:
     """The logged rows (`run.log`): {key: value} with the values decoded from JSON."""
     import json
