@@ -365,6 +365,7 @@ class StepClock(TrainerCallback):
         self._last = clocks()
 
     def on_step_end(self, trainer: Any, step: int, logs: dict) -> None:
+        synchronize()  # the step's last kernels (the optimizer's) are inside its time
         phases = None
         if self.phase_timer is not None:
             phases = {**self.phase_timer.take(), "data": logs["data_wait"]}  # the Trainer's own figure
@@ -417,20 +418,9 @@ class OursRunner:
         return self.clock.take()
 
 
-def fastest_adamw(params: list, device: torch.device, **hyper: Any) -> tuple[torch.optim.Optimizer, str]:
-    """torch's AdamW in its fastest implementation on `device`: fused where torch has the kernel,
-    else foreach (one kernel per operation over all tensors); and the implementation's name."""
-    for impl in ("fused", "foreach"):
-        try:
-            return torch.optim.AdamW(params, **hyper, **{impl: True}), impl
-        except (RuntimeError, ValueError):
-            continue
-    return torch.optim.AdamW(params, **hyper), "for_loop"
-
-
 class BareLoop:
     """The cheapest loop we can write on the same model, batch and optimizer math: noise,
-    flow-matching loss, backward, AdamW step in its fastest implementation (fastest_adamw); nothing
+    flow-matching loss, backward, AdamW step in the kernel our optimizer picks (fused where torch has it); nothing
     else (no clipping, no logging, one batch kept on the device). `lora`: the recipe's peft LoRA
     adapter on the frozen model, trained alone. On CUDA each step ends with a synchronize so that
     per-step times are real (our Trainer syncs once a step too, in its non-finite check)."""
@@ -458,9 +448,13 @@ class BareLoop:
             self.model.enable_gradient_checkpointing()
         self.model.train()
         opt = cfg.training.optimizer
-        self.optimizer, self.optimizer_impl = fastest_adamw(
-            [p for p in self.model.parameters() if p.requires_grad], device,
-            lr=opt.learning_rate, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+        from fv_accel.optim import ADAMW_KERNEL_ARGS, adamw_implementation
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer_impl = adamw_implementation("auto", params)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=opt.learning_rate, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+            **ADAMW_KERNEL_ARGS[self.optimizer_impl],
         )
         self.x0 = batch["vae_latent"].to(device=device, dtype=torch.float32)
         self.text = batch["text_embedding"].to(device=device, dtype=torch.float32)

@@ -25,26 +25,18 @@ import _common as C  # noqa: E402
 
 def run_variant(size, data_path: str, method: str, compile_mode: str, warmup: int, steps: int) -> dict:
     from fv_accel.build import build_from_config
-    from fv_accel.trainer import Trainer, TrainerCallback
+    from fv_accel.trainer import Trainer
 
-    times: list[C.StepTime] = []
-    start = [C.clocks()]
-
-    class StepClock(TrainerCallback):
-        def on_step_end(self, trainer, step, logs):
-            C.synchronize()
-            times.append(C.since(start[0]))
-            start[0] = C.clocks()
-
+    clock = C.StepClock()
     with tempfile.TemporaryDirectory() as tmp:
         overrides = C.bench_overrides(
             Path(tmp) / "out", data_path, method,
             **{"training.model.compile": compile_mode, "training.loop.max_train_steps": warmup + steps},
         )
-        run = build_from_config(size.recipe, overrides, callbacks=[StepClock()])
-        start[0] = C.clocks()
+        run = build_from_config(size.recipe, overrides, callbacks=[clock])
         Trainer(run).run()
         C.reset_accelerate_state()
+    times = clock.take()
     measured = times[warmup:]
     return {
         "first_step_wall_s": times[0].wall,

@@ -216,14 +216,15 @@ def optimizer_impls(model: torch.nn.Module, *, steps: int, rounds: int) -> dict:
     """AdamW's step over every parameter of `model` (random gradients) in each implementation torch
     has on the device (for-loop, foreach, fused), interleaved round by round: median seconds per step
     and the ratio to the for-loop one. Each works on its own copy of the parameters."""
+    from fv_accel.optim import ADAMW_KERNEL_ARGS
+
     impls = {}
     for impl in ("for_loop", "foreach", "fused"):
         params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
         for q in params:
             q.grad = torch.randn_like(q) * 1e-3
-        kwargs = {"foreach": False} if impl == "for_loop" else {impl: True}
         try:
-            opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, **kwargs)
+            opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, **ADAMW_KERNEL_ARGS[impl])
             opt.step()  # allocates the state
         except (RuntimeError, ValueError) as err:
             impls[impl] = {"error": f"{type(err).__name__}: {err}"}

@@ -48,6 +48,10 @@ def adamw_implementation(requested: str, params: Sequence[torch.Tensor]) -> str:
     return requested
 
 
+# torch.optim.AdamW's arguments for each kernel of adamw_implementation.
+ADAMW_KERNEL_ARGS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for_loop": dict(foreach=False)}
+
+
 def build_optimizer(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The recipe's optimizer over the trainable parameters; one log line says which runs."""
     opt = cfg.training.optimizer
@@ -56,9 +60,8 @@ def build_optimizer(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.O
     common = dict(lr=opt.learning_rate, eps=opt.eps, weight_decay=opt.weight_decay)
     if opt.name == "adamw":
         impl = adamw_implementation(opt.implementation, params)
-        kernel = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for_loop": dict(foreach=False)}[impl]
         logger.info("optimizer AdamW (%s)", impl)
-        return torch.optim.AdamW(params, betas=tuple(opt.betas), **common, **kernel)
+        return torch.optim.AdamW(params, betas=tuple(opt.betas), **common, **ADAMW_KERNEL_ARGS[impl])
     if opt.name == "adamw_8bit":
         import bitsandbytes as bnb
 
