@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 
@@ -74,19 +74,21 @@ def build_accelerator(cfg: RunConfig):
     return acc
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
+def env_flag(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
+    return (os.environ if env is None else env).get(name, "false").strip().lower() in ("1", "true", "yes")
 
 
-def requested_engine() -> str:
+def requested_engine(env: Optional[Mapping[str, str]] = None) -> str:
     """The engine the launch asked for: DEEPSPEED, FSDP, DDP or NO (one process). `accelerate
     launch` exports ACCELERATE_USE_DEEPSPEED / ACCELERATE_USE_FSDP from the config's
-    distributed_type, and its launcher (torchrun) WORLD_SIZE."""
-    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+    distributed_type, and its launcher (torchrun) WORLD_SIZE (`env`: these variables; default the
+    process's own)."""
+    env = os.environ if env is None else env
+    if env_flag("ACCELERATE_USE_DEEPSPEED", env):
         return "DEEPSPEED"
-    if _env_flag("ACCELERATE_USE_FSDP"):
+    if env_flag("ACCELERATE_USE_FSDP", env):
         return "FSDP"
-    return "DDP" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "NO"
+    return "DDP" if int(env.get("WORLD_SIZE", "1") or 1) > 1 else "NO"
 
 
 def engine_that_runs(acc) -> str:
@@ -169,7 +171,7 @@ def check_engine_matches_launch(acc) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if (asked == runs or {asked, runs} <= {"DDP", "NO"}) and world == acc.num_processes:
         return
-    if asked == "DEEPSPEED" and _env_flag("ACCELERATE_USE_CPU"):
+    if asked == "DEEPSPEED" and env_flag("ACCELERATE_USE_CPU"):
         why = "ACCELERATE_USE_CPU=1 makes Accelerate skip DeepSpeed; unset it (DeepSpeed runs on CPU over gloo without it)"
     elif world != acc.num_processes:
         why = f"{world} processes were launched (WORLD_SIZE) but this one sees {acc.num_processes}: they did not connect"

@@ -174,20 +174,13 @@ class Launch:
         return self.processes
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
-    return env.get(name, "false").strip().lower() in ("1", "true", "yes")
-
-
 def launch_from_env(cfg: RunConfig, env: Mapping[str, str]) -> Launch:
     """The engine, processes and mixed precision this process runs with, as `accelerate launch`
-    exports them (fv_accel.build reads the same variables)."""
+    exports them (the engine by fv_accel.build.requested_engine, as the run itself reads it)."""
+    from fv_accel.build import env_flag, requested_engine
+
     processes = int(env.get("WORLD_SIZE", "1") or 1)
-    if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
-        engine = "DEEPSPEED"
-    elif _flag(env, "ACCELERATE_USE_FSDP"):
-        engine = "FSDP"
-    else:
-        engine = "DDP" if processes > 1 else "NO"
+    engine = requested_engine(env)
     mp = cfg.training.loop.mixed_precision
     note = ""
     if mp == "auto":
@@ -214,9 +207,9 @@ def launch_from_env(cfg: RunConfig, env: Mapping[str, str]) -> Launch:
         launch.offload_optimizer = launch.offload_optimizer or env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none") not in ("none", "")
         launch.offload_params = launch.offload_params or env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") not in ("none", "")
     if engine == "FSDP":
-        launch.offload_params = _flag(env, "FSDP_OFFLOAD_PARAMS")
+        launch.offload_params = env_flag("FSDP_OFFLOAD_PARAMS", env)
         launch.offload_optimizer = launch.offload_params
-        launch.fsdp_checkpointing = _flag(env, "FSDP_ACTIVATION_CHECKPOINTING")
+        launch.fsdp_checkpointing = env_flag("FSDP_ACTIVATION_CHECKPOINTING", env)
     return launch
 
 
