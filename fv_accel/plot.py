@@ -168,6 +168,25 @@ def write_plots(output_dir: str | Path, out_dir: Optional[str | Path] = None) ->
     return [p for p in written if p is not None]
 
 
+def log_png_images(accelerator, images: dict[str, Path], step: int) -> None:
+    """PNG files to the run's trackers as images, by name: W&B as wandb.Image, TensorBoard as an
+    image summary of the file's pixels."""
+    for tracker in getattr(accelerator, "trackers", []):
+        if tracker.name == "wandb":
+            import wandb
+
+            tracker.run.log({name: wandb.Image(str(path)) for name, path in images.items()}, step=step)
+        elif tracker.name == "tensorboard":
+            import numpy as np
+            from PIL import Image
+
+            for name, path in images.items():
+                with Image.open(path) as image:
+                    pixels = np.asarray(image.convert("RGB"))
+                tracker.writer.add_image(name, pixels, step, dataformats="HWC")
+            tracker.writer.flush()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fv_accel.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", help="a run's output_dir (holding logs/metrics.jsonl)")

@@ -367,32 +367,14 @@ class Trainer:
         print("run summary\n" + format_summary(shown), flush=True)
         if plots:
             try:
-                from fv_accel.plot import write_plots
+                from fv_accel.plot import log_png_images, write_plots
 
                 written = write_plots(self.output_dir)
                 if written:
                     print(f"plots: {', '.join(str(p) for p in written)}", flush=True)
-                    self._log_plot_images(written)
+                    log_png_images(self.accelerator, {f"plots/{Path(p).stem}": p for p in written}, self.step)
             except Exception as err:  # noqa: BLE001 - a plotting problem must not fail a finished run
                 logger.warning("could not write the plots: %s: %s", type(err).__name__, err)
-
-    def _log_plot_images(self, paths: list) -> None:
-        """The end-of-run plots (PNG) to the trackers as images `plots/<name>` at the last step:
-        W&B as wandb.Image, TensorBoard as an image summary."""
-        for tracker in getattr(self.accelerator, "trackers", []):
-            if tracker.name == "wandb":
-                import wandb
-
-                tracker.run.log({f"plots/{Path(p).stem}": wandb.Image(str(p)) for p in paths}, step=self.step)
-            elif tracker.name == "tensorboard":
-                import numpy as np
-                from PIL import Image
-
-                for p in paths:
-                    with Image.open(p) as image:
-                        pixels = np.asarray(image.convert("RGB"))
-                    tracker.writer.add_image(f"plots/{Path(p).stem}", pixels, self.step, dataformats="HWC")
-                tracker.writer.flush()
 
     def _write_model_card(self, summary: dict) -> None:
         """`<output_dir>/README.md`, the run's model card (fv_accel/hub.py), once the weights,

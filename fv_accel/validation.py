@@ -608,18 +608,6 @@ def sample_grid(columns: Sequence[tuple[int, Sequence[np.ndarray]]]) -> np.ndarr
     return np.asarray(image)
 
 
-def log_grid(accelerator: Any, grid: np.ndarray, path: Path, step: int) -> None:
-    """The sample grid to the trackers as the image `validation/grid` (TensorBoard, W&B)."""
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
-            tracker.writer.add_image("validation/grid", grid, step, dataformats="HWC")
-            tracker.writer.flush()
-        elif tracker.name == "wandb":
-            import wandb
-
-            tracker.run.log({"validation/grid": wandb.Image(str(path))}, step=step)
-
-
 def clip_distance(sample: np.ndarray, references: Sequence[np.ndarray]) -> Optional[float]:
     """Pixel MSE (pixels in [-1, 1]) of a uint8 clip [F, H, W, 3] to the nearest reference clip
     of its shape; None when no reference has its shape."""
@@ -846,7 +834,9 @@ class VideoSamplingCallback(TrainerCallback):
         path = Path(trainer.output_dir) / "samples" / "grid.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(grid).save(path)
-        log_grid(trainer.accelerator, grid, path, step)
+        from fv_accel.plot import log_png_images
+
+        log_png_images(trainer.accelerator, {"validation/grid": path}, step)
 
     def summary(self) -> dict[str, Any]:
         if not self.distances:
