@@ -1,93 +1,65 @@
-"""The tiny Wan VAE's trained decoder (fv_accel.tiny.vae): trained once per cache and read back
-after, once under concurrent first uses, and again over a bad cache file; the sample grid and the
-distance of samples to the training clips (fv_accel.validation)."""
+"""The tiny Wan VAE's closed-form weights (fv_accel.tiny.vae): it encodes each 8x8 cell's mean
+colour and decodes it back, so it reconstructs the tiny clips; the sample grid and the distance of
+samples to the training clips (fv_accel.validation)."""
 
 from __future__ import annotations
-
-import logging
-import threading
 
 import numpy as np
 import pytest
 import torch
 
-from fv_accel.tiny import vae as tiny_vae
+from fv_accel.tiny.clips import render_clip, tiny_clip_specs
 from fv_accel.tiny.model import TINY_VAE_CONFIG, build_tiny_vae
+from fv_accel.tiny.vae import latent_mixing, set_reconstructing_weights
 
 # The seed of the VAE in the tiny models written with seed 0 (write_tiny_variant draws it from seed + 2).
 VAE_SEED = 2
-# A recipe small enough to train in a test (what matters here is the caching, not the quality).
-SMALL_RECIPE = dict(tiny_vae.DECODER_RECIPE, train_clips=2, num_frames=5, size=16, steps=2, batch_size=1, heldout_clips=1)
 
 
-def test_trained_once_then_read_from_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(tiny_vae, "DECODER_RECIPE", SMALL_RECIPE)
-    random_vae = build_tiny_vae(VAE_SEED)
-    state, figures = tiny_vae.trained_decoder_state(build_tiny_vae(VAE_SEED), TINY_VAE_CONFIG, VAE_SEED, tmp_path)
-    assert set(figures) == {"heldout_mse", "heldout_mse_random_decoder", "heldout_flat_colour_mse", "train_seconds"}
-
-    def no_training(*args, **kwargs):
-        raise AssertionError("the decoder was trained again")
-
-    monkeypatch.setattr(tiny_vae, "train_decoder", no_training)
-    again, figures_again = tiny_vae.trained_decoder_state(build_tiny_vae(VAE_SEED), TINY_VAE_CONFIG, VAE_SEED, tmp_path)
-    assert again.keys() == state.keys() and all(torch.equal(again[k], state[k]) for k in state)
-    assert figures_again == figures
-    # Only the decoder changes: the encoder (so every latent) is the random VAE's.
-    vae = tiny_vae.with_trained_decoder(build_tiny_vae(VAE_SEED), TINY_VAE_CONFIG, VAE_SEED, tmp_path)
-    for name, value in vae.state_dict().items():
-        trained_part = name.startswith(tiny_vae.DECODER_PREFIXES)
-        assert torch.equal(value, state[name] if trained_part else random_vae.state_dict()[name]), name
-    video = tiny_vae.clip_batch(1, seed=4242, num_frames=5, size=16)
-    assert not torch.equal(vae.decode(tiny_vae.encode_mode(vae, video)).sample, random_vae.decode(tiny_vae.encode_mode(random_vae, video)).sample)
+def clips(n: int, seed: int, frames: int = 9, size: int = 32) -> torch.Tensor:
+    video = [render_clip(s, num_frames=frames, height=size, width=size) for s in tiny_clip_specs(n, seed=seed)]
+    return torch.stack([torch.from_numpy(c).permute(3, 0, 1, 2) for c in video]).float() / 127.5 - 1.0
 
 
-def test_bad_cache_file_is_trained_again(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(tiny_vae, "DECODER_RECIPE", SMALL_RECIPE)
+@torch.no_grad()
+def test_latents_are_the_mixed_cell_colours_and_decode_back():
     vae = build_tiny_vae(VAE_SEED)
-    path = tiny_vae.decoder_cache_path(TINY_VAE_CONFIG, VAE_SEED, tmp_path)
-    path.write_bytes(b"not safetensors")
-    with caplog.at_level(logging.WARNING, logger="fv_accel.tiny.vae"):
-        state, figures = tiny_vae.trained_decoder_state(vae, TINY_VAE_CONFIG, VAE_SEED, tmp_path)
-    assert f"tiny VAE decoder cache {path} is unusable" in caplog.text
-    reread, _ = tiny_vae.trained_decoder_state(vae, TINY_VAE_CONFIG, VAE_SEED, tmp_path)  # now a good file
-    assert reread.keys() == state.keys() and all(torch.equal(reread[k], state[k]) for k in state)
-    assert set(state) == {k for k in vae.state_dict() if k.startswith(("decoder.", "post_quant_conv."))}
-    assert not any(torch.equal(state[k], vae.state_dict()[k]) for k in ("post_quant_conv.weight", "decoder.conv_out.weight"))
+    video = clips(4, seed=4242)  # 9 frames: latent frames of frames [0], [1-4], [5-8]
+    posterior = vae.encode(video).latent_dist
+    z = posterior.mode()
+    assert z.shape == (4, 16, 3, 4, 4)
+    # Each latent frame is the mixing of the mean colour of each 8x8 cell over the frames it covers.
+    chunks = [video[:, :, :1], video[:, :, 1:5], video[:, :, 5:9]]
+    cell = torch.stack([torch.nn.functional.avg_pool2d(c.mean(2), 8) for c in chunks], dim=2)  # [B, 3, T, 4, 4]
+    expected = torch.einsum("jc,bcthw->bjthw", latent_mixing(VAE_SEED), cell)
+    assert torch.allclose(z, expected, atol=2e-3), float((z - expected).abs().max())
+    assert torch.allclose(posterior.sample(generator=torch.Generator().manual_seed(0)), z, atol=1e-5)
+    recon = vae.decode(z).sample
+    mse = float(((recon - video) ** 2).mean())
+    flat = float(((video.mean(dim=(2, 3, 4), keepdim=True) - video) ** 2).mean())
+    assert mse < 0.5 * flat, (mse, flat)
+    # A random tiny VAE of the same config draws much the same picture whatever it encodes.
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(VAE_SEED)
+    random_vae = AutoencoderKLWan(**TINY_VAE_CONFIG).eval()
+    random_mse = float(((random_vae.decode(random_vae.encode(video).latent_dist.mode()).sample - video) ** 2).mean())
+    assert random_mse > 2 * mse, (random_mse, mse)
 
 
-def test_concurrent_first_uses_train_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(tiny_vae, "DECODER_RECIPE", SMALL_RECIPE)
-    real = tiny_vae.train_decoder
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(tiny_vae, "train_decoder", counted)
-    results = []
-
-    def use():
-        results.append(tiny_vae.trained_decoder_state(build_tiny_vae(VAE_SEED), TINY_VAE_CONFIG, VAE_SEED, tmp_path)[0])
-
-    threads = [threading.Thread(target=use) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(calls) == 1 and len(results) == 2
-    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
-    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".safetensors"] == [
-        tiny_vae.decoder_cache_path(TINY_VAE_CONFIG, VAE_SEED, tmp_path).name
-    ]
+def test_weights_are_seeded():
+    a, b, c = build_tiny_vae(VAE_SEED).state_dict(), build_tiny_vae(VAE_SEED).state_dict(), build_tiny_vae(VAE_SEED + 1).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["encoder.conv_out.weight"], c["encoder.conv_out.weight"])
+    assert torch.equal(a["encoder.conv_in.weight"], c["encoder.conv_in.weight"])  # only the mixing differs
 
 
-def test_cache_name_follows_the_recipe_and_the_seed():
-    key = tiny_vae.decoder_cache_key(TINY_VAE_CONFIG, VAE_SEED)
-    assert tiny_vae.decoder_cache_key(TINY_VAE_CONFIG, VAE_SEED + 1) != key
-    assert tiny_vae.decoder_cache_key(TINY_VAE_CONFIG, VAE_SEED, SMALL_RECIPE) != key
-    assert tiny_vae.decoder_cache_key({**TINY_VAE_CONFIG, "base_dim": 16}, VAE_SEED) != key
+def test_a_layout_it_cannot_carry_is_refused():
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan(**{**TINY_VAE_CONFIG, "dim_mult": [1, 2, 2, 2]})
+    with pytest.raises(ValueError, match=r"dim_mult \[1, 2, 2, 2\]"):
+        set_reconstructing_weights(vae, VAE_SEED)
 
 
 def test_sample_grid_layout_and_distance():

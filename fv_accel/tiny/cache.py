@@ -1,4 +1,4 @@
-"""Where the tiny world's generated files are cached (the tiny datasets, the tiny VAE's decoder)."""
+"""Where the tiny world's generated files are cached (the tiny datasets and their tiny models)."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ Each variant mirrors the layout of a real diffusers repo at toy sizes: the same 
 keys and component classes, the same transformer channel counts and conditioning (image
 cross-attention, two experts and their `boundary_ratio`, `expand_timesteps`), the same VAE
 geometry (the Wan 2.2 VAE: 48 latent channels, 16x spatial). The stock pipeline of the repo loads
-the folder with `DiffusionPipeline.from_pretrained(DIR)`. With `trained_decoder=True` the Wan 2.1
-VAE's decoder is trained to invert its seeded random encoder (fv_accel.tiny.vae; once, cached). The transformer's width and depth are
-those of the inline `models.student.transformer_config` of the built-in tiny recipe (the one
+the folder with `DiffusionPipeline.from_pretrained(DIR)`. The Wan 2.1 VAE's weights are set in
+closed form from its seed so that it reconstructs the tiny clips (fv_accel.tiny.vae); the Wan 2.2
+VAE is randomly initialised. The transformer's width and depth are those of the inline `models.student.transformer_config` of the built-in tiny recipe (the one
 source of those numbers); each VAE's `latents_mean`/`latents_std` are measured on procedural clips.
 """
 
@@ -220,11 +220,18 @@ def build_tiny_text_encoder(vocab_size: int, seed: int, *, t5: bool = False, **c
 
 
 def build_tiny_vae(seed: int, kind: str = "wan2.1"):
+    """The tiny VAE `kind` from `seed`: the Wan 2.1 one with the closed-form weights that
+    reconstruct the tiny clips (fv_accel.tiny.vae), the Wan 2.2 one randomly initialised."""
     from diffusers import AutoencoderKLWan
 
     config = {"wan2.1": TINY_VAE_CONFIG, "wan2.2": TINY_VAE22_CONFIG}[kind]
     torch.manual_seed(seed)
-    return AutoencoderKLWan(**config).eval()
+    vae = AutoencoderKLWan(**config).eval()
+    if kind == "wan2.1":
+        from fv_accel.tiny.vae import set_reconstructing_weights
+
+        set_reconstructing_weights(vae, seed)
+    return vae
 
 
 def build_tiny_image_encoder(seed: int):
@@ -248,26 +255,11 @@ def build_scheduler(variant: TinyVariant):
     )
 
 
-def build_tiny_vae_for(seed: int, kind: str = "wan2.1", *, trained_decoder: bool = False):
-    """The tiny VAE `kind` drawn from `seed`; with `trained_decoder` the Wan 2.1 one gets its trained
-    decoder (fv_accel.tiny.vae: the encoder, hence every latent, is that of the random VAE). Off by
-    default: its recipe trains in about two minutes of CPU and reconstructs no better than a flat
-    colour per clip (see fv_accel.tiny.vae)."""
-    vae = build_tiny_vae(seed, kind)
-    if trained_decoder and kind == "wan2.1":
-        from fv_accel.tiny.vae import with_trained_decoder
-
-        vae = with_trained_decoder(vae, TINY_VAE_CONFIG, seed)
-    return vae
-
-
 def write_tiny_variant(
     out_dir: str | Path,
     name: str = DEFAULT_TINY_MODEL,
     seed: int = 0,
     latents_stats: Optional[tuple] = None,
-    *,
-    trained_decoder: bool = False,
 ) -> Path:
     """Write the tiny model `name` (a key of TINY_MODELS) to `out_dir`; returns its path.
 
@@ -282,7 +274,7 @@ def write_tiny_variant(
     out = Path(out_dir)
     tokenizer = build_tiny_tokenizer()
     text_encoder = build_tiny_text_encoder(len(tokenizer), seed + 1)
-    vae = build_tiny_vae_for(seed + 2, variant.vae, trained_decoder=trained_decoder)
+    vae = build_tiny_vae(seed + 2, variant.vae)
     if latents_stats is None:
         latents_stats = _tiny_vae_latent_stats(variant.vae, seed + 2)
     vae.register_to_config(latents_mean=latents_stats[0], latents_std=latents_stats[1])
