@@ -156,6 +156,6 @@ def test_card_of_a_full_run_shows_samples_curves_and_loading(tmp_path):
     assert f'WanTransformer3DModel.from_pretrained("{tmp_path.resolve()}", subfolder="transformer"' in body
     assert 'DiffusionPipeline.from_pretrained("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", transformer=transformer' in body
     assert "At step 300:" in body and '<video src="samples/step-300/01-b.mp4"' in body and "step-0/" not in body
-    assert "- a white square moving up on a light background" in body  # the recipe's sample prompts
+    assert "- a green square moving down on a black background" in body  # the recipe's sample prompts
     assert "![Held-out loss](plots/heldout_loss.png)" in body and "best held-out loss 0.7000 at step 300" in body
     assert "ComfyUI" not in body  # a full fine-tune has no ComfyUI LoRA file
