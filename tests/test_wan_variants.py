@@ -15,6 +15,7 @@ from fv_accel.config import default_recipe, load_config
 from fv_accel.methods import METHODS
 from fv_accel.models import build_student
 from fv_accel.trainer import Trainer
+from family_helpers import run_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -45,21 +46,9 @@ def variant_dirs(tmp_path_factory):
 
 
 def overrides(tmp: Path, model: Path, data: Path, name: str, **extra):
-    over = {
-        "models.student.init_from": str(model),
-        "training.data.data_path": str(data),
-        "training.data.train_batch_size": 1,
-        "training.loop.max_train_steps": 2,
-        "training.checkpoint.output_dir": str(tmp / "out"),
-        "training.checkpoint.training_state_checkpointing_steps": 0,
-        "training.tracker.trackers": ["none"],
-        "callbacks.validation.enable": False,
-        "callbacks.ema.enable": False,
-    }
-    if name in EXPERT:
-        over["models.student.expert"] = EXPERT[name]
-    over.update(extra)
-    return over
+    """run_overrides, with the expert a two-expert variant trains."""
+    expert = {"models.student.expert": EXPERT[name]} if name in EXPERT else {}
+    return run_overrides(tmp, model, data, **{**expert, **extra})
 
 
 def load_stock_pipeline(model: Path):
