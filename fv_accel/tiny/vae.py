@@ -69,7 +69,7 @@ def _check_layout(vae) -> None:
 def set_reconstructing_weights(vae, seed: int):
     """Set every weight of `vae` (a tiny Wan 2.1 `AutoencoderKLWan`, in place) so that it encodes
     and decodes as the module docstring says; returns `vae`."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample, WanResidualBlock
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
 
     _check_layout(vae)
     for p in vae.parameters():
@@ -130,14 +130,11 @@ def set_reconstructing_weights(vae, seed: int):
                 else:
                     for o in range(4):
                         w[o, o] = 1.0
-    if not any(isinstance(r.conv_shortcut, torch.nn.Conv3d) for r in dec.up_blocks[last].resnets):
-        raise ValueError("the closed-form tiny VAE weights need the decoder's last block to widen its channels")
     _set_head(dec.norm_out.gamma)
     for c in range(3):
         dec.conv_out.weight[(c, 2 * c, *now)] = 1.0
         dec.conv_out.weight[(c, 2 * c + 1, *now)] = -1.0
     # Every residual branch (conv2) and attention projection stays zero: those blocks are identities.
-    assert all(float(m.conv2.weight.abs().sum()) == 0.0 for m in vae.modules() if isinstance(m, WanResidualBlock))
     return vae
 
 
