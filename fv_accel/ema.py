@@ -82,6 +82,11 @@ def check_ema_supported(cfg, accelerator) -> None:
         )
 
 
+# Elements per group of an EMA update (256 MiB in fp32): a bf16 model's update holds at most this
+# much of an fp32 copy of its weights, not all of it.
+UPDATE_GROUP_NUMEL = 1 << 26
+
+
 class EmaWeights:
     """An fp32 shadow of `params`, updated in place."""
 
@@ -95,14 +100,26 @@ class EmaWeights:
             for p in self.params
         ]
         self.num_updates = 0
+        # Consecutive tensors of at most UPDATE_GROUP_NUMEL elements in all (a single larger tensor
+        # forms its own group): an update converts one group to fp32 at a time.
+        self.groups: list[list[int]] = []
+        total = UPDATE_GROUP_NUMEL
+        for i, s in enumerate(self.shadow):
+            if total + s.numel() > UPDATE_GROUP_NUMEL:
+                self.groups.append([])
+                total = 0
+            self.groups[-1].append(i)
+            total += s.numel()
 
     @torch.no_grad()
     def update(self) -> None:
         weight = 1.0 - self.decay
-        sources = [_local(p.detach()).to(device=s.device, dtype=torch.float32) for s, p in zip(self.shadow, self.params)]
-        # lerp: s + (1 - decay) * (p - s) = decay * s + (1 - decay) * p, over all tensors at once
-        # (one kernel launch per group of tensors on an accelerator; the same values as per tensor).
-        torch._foreach_lerp_(self.shadow, sources, weight)
+        for group in self.groups:
+            shadow = [self.shadow[i] for i in group]
+            sources = [_local(self.params[i].detach()).to(device=s.device, dtype=torch.float32) for i, s in zip(group, shadow)]
+            # lerp: s + (1 - decay) * (p - s) = decay * s + (1 - decay) * p, over a group of tensors
+            # at once (one kernel launch per group on an accelerator; the same values as per tensor).
+            torch._foreach_lerp_(shadow, sources, weight)
         self.num_updates += 1
 
     @contextlib.contextmanager

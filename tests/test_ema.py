@@ -34,12 +34,17 @@ def test_ema_update_and_swap_are_exact():
         EmaWeights([p], decay=1.0)
 
 
-def test_ema_update_over_all_tensors_equals_lerp_per_tensor():
+@pytest.mark.parametrize("group_numel", [None, 16])
+def test_ema_update_over_all_tensors_equals_lerp_per_tensor(group_numel, monkeypatch):
+    from fv_accel import ema as ema_module
     from fv_accel.ema import EmaWeights
 
+    if group_numel is not None:  # groups of at most 16 elements: [15], [7], [24]
+        monkeypatch.setattr(ema_module, "UPDATE_GROUP_NUMEL", group_numel)
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((5, 3), (7,), (2, 3, 4))]
     ema = EmaWeights(params, decay=0.9, device=torch.device("cpu"))
+    assert ema.groups == ([[0], [1], [2]] if group_numel else [[0, 1, 2]])
     reference = [p.detach().clone() for p in params]
     for _ in range(3):
         with torch.no_grad():
