@@ -59,11 +59,6 @@ def is_main_process() -> bool:
 Stage = Callable[[str], contextlib.AbstractContextManager]
 
 
-@contextlib.contextmanager
-def _no_stage(name: str) -> Iterator[None]:
-    yield
-
-
 class ExportProgress:
     """A tqdm bar over an export's stages (stderr, main process only); the current stage is its postfix."""
 
@@ -211,7 +206,7 @@ def _save_transformer(transformer, out: Path, attention: Optional[dict[str, Any]
     return target
 
 
-def export_diffusers(src: ExportSource, out: Path, stage: Stage = _no_stage) -> list[Path]:
+def export_diffusers(src: ExportSource, out: Path, stage: Stage = contextlib.nullcontext) -> list[Path]:
     from fv_accel.models.lora import read_lora_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -249,7 +244,7 @@ def export_diffusers(src: ExportSource, out: Path, stage: Stage = _no_stage) -> 
         return [_save_transformer(transformer, out, src.base.get("attention"))]
 
 
-def export_comfyui(src: ExportSource, out: Path, stage: Stage = _no_stage) -> list[Path]:
+def export_comfyui(src: ExportSource, out: Path, stage: Stage = contextlib.nullcontext) -> list[Path]:
     from fv_accel.models.lora import read_lora_file, save_comfyui_lora
 
     if src.kind != "lora":
@@ -284,7 +279,7 @@ def _family(base: dict[str, Any]) -> type:
 
 
 def export_merged(
-    src: ExportSource, out: Path, *, base: Optional[str] = None, dtype: Optional[str] = None, stage: Stage = _no_stage
+    src: ExportSource, out: Path, *, base: Optional[str] = None, dtype: Optional[str] = None, stage: Stage = contextlib.nullcontext
 ) -> list[Path]:
     from fv_accel.models.lora import merge_lora, read_lora_file
     from fv_accel.models.loading import load_transformer

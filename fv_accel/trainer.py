@@ -286,10 +286,9 @@ class Trainer:
         self._stop_agreed = self._stop_agreed or stop_flag > 0
         if not (loss_flag > 0 or norm_flag > 0):
             return None
-        flags = (loss_flag, norm_flag)
         losses = [float(l) for l, _ in micro]
         timesteps = [None if t is None else [round(v, 2) for v in t.detach().float().flatten().tolist()] for _, t in micro]
-        what = "loss" if flags[0] > 0 else "gradient norm"
+        what = "loss" if loss_flag > 0 else "gradient norm"
         return (
             f"non-finite {what} at step {step}: loss={float(loss):.6g} (micro-batches {losses}), "
             f"grad_norm={float(norm) if norm_checked else None}, timesteps={timesteps}"
