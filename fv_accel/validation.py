@@ -583,9 +583,14 @@ def sample_grid(columns: Sequence[tuple[int, Sequence[np.ndarray]]]) -> np.ndarr
     """The sample grid as uint8 [H, W, 3]: `columns` are (step, one clip per prompt), the same
     prompts in the same order at every step; row r is prompt r, column c the c-th step, under a
     header naming the step."""
+    return grid_of_cells([(step, [grid_cell(clip) for clip in clips]) for step, clips in columns])
+
+
+def grid_of_cells(columns: Sequence[tuple[int, Sequence[np.ndarray]]]) -> np.ndarray:
+    """sample_grid of columns whose clips are already strips (grid_cell)."""
     from PIL import Image, ImageDraw
 
-    cells = [[grid_cell(clip) for clip in clips] for _, clips in columns]
+    cells = [col for _, col in columns]
     rows = len(cells[0])
     row_h = [max(col[r].shape[0] for col in cells) for r in range(rows)]
     col_w = [max(c.shape[1] for c in col) for col in cells]
@@ -611,8 +616,18 @@ def sample_grid(columns: Sequence[tuple[int, Sequence[np.ndarray]]]) -> np.ndarr
 def clip_distance(sample: np.ndarray, references: Sequence[np.ndarray]) -> Optional[float]:
     """Pixel MSE (pixels in [-1, 1]) of a uint8 clip [F, H, W, 3] to the nearest reference clip
     of its shape; None when no reference has its shape."""
-    x = sample.astype(np.float32) / 127.5 - 1.0
-    scores = [float(np.mean((x - (r.astype(np.float32) / 127.5 - 1.0)) ** 2)) for r in references if r.shape == sample.shape]
+    return nearest_mse(_pixels(sample), [_pixels(r) for r in references if r.shape == sample.shape])
+
+
+def _pixels(frames: np.ndarray) -> np.ndarray:
+    """uint8 frames -> float32 pixels in [-1, 1]."""
+    return frames.astype(np.float32) / 127.5 - 1.0
+
+
+def nearest_mse(x: Any, references: Sequence[Any]) -> Optional[float]:
+    """Mean squared error of `x` (an array or tensor) to the nearest of `references` of its shape;
+    None when none has its shape."""
+    scores = [float(((x - r) ** 2).mean()) for r in references if r.shape == x.shape]
     return min(scores) if scores else None
 
 
@@ -657,10 +672,10 @@ class VideoSamplingCallback(TrainerCallback):
         self.written: list[Path] = []
         # An image-to-video student samples from the first frame of a training clip (see _load).
         self.condition: Optional[dict] = None
-        # (step, one clip per prompt) of every validation so far: the sample grid's columns.
+        # (step, one grid_cell strip per prompt) of every validation so far: the sample grid's columns.
         self.grid_columns: list[tuple[int, list[np.ndarray]]] = []
-        self.distance_clips = val.distance_clips
-        # (latents, decoded clip) of the first `distance_clips` training clips, decoded once.
+        # (latents, decoded clip as pixels in [-1, 1]) of the first `distance_clips` training clips,
+        # decoded once.
         self.references: Optional[list[tuple[torch.Tensor, np.ndarray]]] = None
         # (step, samples/distance, samples/latent_distance) of every validation
         self.distances: list[tuple[int, float, float]] = []
@@ -787,18 +802,19 @@ class VideoSamplingCallback(TrainerCallback):
 
     def _reference_clips(self, student: Any) -> list[tuple[torch.Tensor, np.ndarray]]:
         """The first `distance_clips` training clips (rows the training loader sees): (normalised
-        latents [C, T, H, W] on the CPU, the clip decoded by the sampling VAE, uint8 [F, H, W, 3])."""
+        latents [C, T, H, W] on the CPU, the clip decoded by the sampling VAE, as float32 pixels in
+        [-1, 1] [F, H, W, 3])."""
         from fv_accel.data.loader import LatentDataset
         from fv_accel.sampling import decode_latents
 
         excluded = set(training_exclusions(self.cfg, self.data_path))
         dataset = LatentDataset(self.data_path)
-        rows = [r for r in range(len(dataset)) if r not in excluded][: self.distance_clips]
+        rows = [r for r in range(len(dataset)) if r not in excluded][: self.val.distance_clips]
         clips = []
         for row in rows:
             latents = student.clean_latents(collate_one(dataset[(row, 0, 0)]))
             frames = decode_latents(self.vae, latents, student.latents_mean, student.latents_std, decode=type(student).decode)[0]
-            clips.append((latents[0].float().cpu(), frames))
+            clips.append((latents[0].float().cpu(), _pixels(frames)))
         return clips
 
     def _log_distance(self, trainer: Any, student: Any, step: int, samples: list[tuple[str, torch.Tensor, np.ndarray]]) -> None:
@@ -807,13 +823,12 @@ class VideoSamplingCallback(TrainerCallback):
             self.references = self._reference_clips(student)
         logs: dict[str, float] = {}
         for name, latents, frames in samples:
-            pixel = clip_distance(frames, [f for _, f in self.references])
+            pixel = nearest_mse(_pixels(frames), [f for _, f in self.references])
             if pixel is not None:
                 logs[f"samples/distance/{name}"] = pixel
-            z = latents[0].float().cpu()
-            scores = [float(((z - r) ** 2).mean()) for r, _ in self.references if r.shape == z.shape]
-            if scores:
-                logs[f"samples/latent_distance/{name}"] = min(scores)
+            latent = nearest_mse(latents[0].float().cpu(), [r for r, _ in self.references])
+            if latent is not None:
+                logs[f"samples/latent_distance/{name}"] = latent
         for key in ("samples/distance", "samples/latent_distance"):
             values = [v for k, v in logs.items() if k.startswith(key + "/")]
             if values:
@@ -829,8 +844,8 @@ class VideoSamplingCallback(TrainerCallback):
     def _write_grid(self, trainer: Any, step: int, videos: list[tuple[str, np.ndarray, Path]]) -> None:
         from PIL import Image
 
-        self.grid_columns.append((step, [frames for _, frames, _ in videos]))
-        grid = sample_grid(self.grid_columns)
+        self.grid_columns.append((step, [grid_cell(frames) for _, frames, _ in videos]))
+        grid = grid_of_cells(self.grid_columns)
         path = Path(trainer.output_dir) / "samples" / "grid.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(grid).save(path)
@@ -858,8 +873,7 @@ class VideoSamplingCallback(TrainerCallback):
         if self._samples_here(acc):
             t0 = time.perf_counter()
             out_dir = Path(trainer.output_dir) / "samples" / f"step-{step}"
-            videos = []
-            samples = []  # (name, latents, frames) for the distance to the training clips
+            samples = []  # (name, latents, frames, path)
             ema = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
             with evaluation_mode(trainer) as student, ema:
                 self.vae.to(acc.device)
@@ -871,14 +885,14 @@ class VideoSamplingCallback(TrainerCallback):
                         )[0]
                         if acc.is_main_process:
                             path = write_video(out_dir / f"{p.name}.mp4", frames, fps=self.val.fps)
-                            videos.append((p.name, frames, path))
-                            samples.append((p.name, latents, frames))
+                            samples.append((p.name, latents, frames, path))
                             paths.append(path)
-                    if acc.is_main_process and self.distance_clips and self.data_path:
-                        self._log_distance(trainer, student, step, samples)
+                    if acc.is_main_process and self.val.distance_clips and self.data_path:
+                        self._log_distance(trainer, student, step, [(n, z, f) for n, z, f, _ in samples])
                 finally:
                     self.vae.to("cpu")
             if acc.is_main_process:
+                videos = [(n, f, path) for n, _, f, path in samples]
                 log_videos(acc, videos, step, self.val.fps)
                 self._write_grid(trainer, step, videos)
                 trainer.log_metrics({"validation/sampling_time_s": time.perf_counter() - t0}, step)
