@@ -301,13 +301,18 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: tree}
 
 
+def saved_recipe(meta: dict) -> dict:
+    """The recipe a checkpoint's metadata holds, flattened to dotted keys."""
+    return _flatten(meta.get("config") or {})
+
+
 def recipe_changes(meta: dict, method: Any, cfg: Any) -> tuple[list[str], list[dict]]:
     """(changes to the method's math, every change) between the checkpoint's recipe and this one.
     Each change is `{"key", "old", "new"}`; values go through JSON so tuples and lists, ints and
     floats compare as they were stored."""
     old_math = meta.get("math") or {}
     new_math = json.loads(json.dumps(method.math_signature(), default=str))
-    old_cfg = _flatten(meta.get("config") or {})
+    old_cfg = saved_recipe(meta)
     new_cfg = _flatten(json.loads(json.dumps(cfg.to_dict(), default=str)))
     math_lines, changes = [], []
     for key, before in REFUSED_RECIPE_KEYS.items():
@@ -715,9 +720,7 @@ def load_checkpoint(trainer: Any, ckpt: Path) -> int:
     from fv_accel.optim import settings_of
 
     settings = settings_of(trainer.method.optimizer)
-    saved_name = (((meta.get("config") or {}).get("training") or {}).get("optimizer") or {}).get(
-        "name", REFUSED_RECIPE_KEYS["training.optimizer.name"]
-    )
+    saved_name = saved_recipe(meta).get("training.optimizer.name", REFUSED_RECIPE_KEYS["training.optimizer.name"])
     new_optimizer = saved_name != trainer.config.training.optimizer.name
     optimizers = acc._optimizers
     if new_optimizer:
