@@ -420,7 +420,8 @@ class OursRunner:
 
 class BareLoop:
     """The cheapest loop we can write on the same model, batch and optimizer math: noise,
-    flow-matching loss, backward, AdamW step in the kernel our optimizer picks (fused where torch has it); nothing
+    flow-matching loss, backward, the recipe's optimizer step as our run builds it (`build_optimizer`;
+    the benchmark recipes': AdamW, in the kernel `implementation: auto` picks, fused where torch has it); nothing
     else (no clipping, no logging, one batch kept on the device). `lora`: the recipe's peft LoRA
     adapter on the frozen model, trained alone. On CUDA each step ends with a synchronize so that
     per-step times are real (our Trainer syncs once a step too, in its non-finite check)."""
@@ -434,28 +435,18 @@ class BareLoop:
         set_seed(cfg.training.data.seed)  # the same initial weights as our student
         self.model = WanTransformer3DModel(**dict(cfg.models.student.transformer_config)).to(device)
         if lora:
-            import dataclasses
-
-            from fv_accel.models.lora import peft_lora_config
+            # As our student does it: the recipe's targets or the Wan family's, the model frozen, the
+            # adapter trainable in fp32 (the model is fp32 here).
+            from fv_accel.models.lora import apply_lora, with_default_targets
             from fv_accel.models.wan import WanStudent
 
-            lora_cfg = cfg.models.student.lora
-            if lora_cfg.target_modules is None:  # the family's own list, as our student resolves it
-                lora_cfg = dataclasses.replace(lora_cfg, target_modules=list(WanStudent.lora_target_modules))
-            self.model.requires_grad_(False)
-            self.model.add_adapter(peft_lora_config(lora_cfg))
+            apply_lora(self.model, with_default_targets(cfg.models.student.lora, WanStudent.lora_target_modules))
         if cfg.training.model.enable_gradient_checkpointing_type == "full":
             self.model.enable_gradient_checkpointing()
         self.model.train()
-        opt = cfg.training.optimizer
-        from fv_accel.optim import ADAMW_KERNEL_ARGS, adamw_implementation
+        from fv_accel.optim import build_optimizer
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer_impl = adamw_implementation("auto", params)
-        self.optimizer = torch.optim.AdamW(
-            params, lr=opt.learning_rate, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-            **ADAMW_KERNEL_ARGS[self.optimizer_impl],
-        )
+        self.optimizer = build_optimizer(cfg, [p for p in self.model.parameters() if p.requires_grad])
         self.x0 = batch["vae_latent"].to(device=device, dtype=torch.float32)
         self.text = batch["text_embedding"].to(device=device, dtype=torch.float32)
         # The bare loop trains the Wan transformer: the Wan family's training shift.

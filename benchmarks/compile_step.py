@@ -24,19 +24,13 @@ import _common as C  # noqa: E402
 
 
 def run_variant(size, data_path: str, method: str, compile_mode: str, warmup: int, steps: int) -> dict:
-    from fv_accel.build import build_from_config
-    from fv_accel.trainer import Trainer
-
-    clock = C.StepClock()
     with tempfile.TemporaryDirectory() as tmp:
         overrides = C.bench_overrides(
             Path(tmp) / "out", data_path, method,
             **{"training.model.compile": compile_mode, "training.loop.max_train_steps": warmup + steps},
         )
-        run = build_from_config(size.recipe, overrides, callbacks=[clock])
-        Trainer(run).run()
+        times = C.OursRunner(size.recipe, overrides).steps(warmup + steps)
         C.reset_accelerate_state()
-    times = clock.take()
     measured = times[warmup:]
     return {
         "first_step_wall_s": times[0].wall,

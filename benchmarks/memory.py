@@ -209,13 +209,18 @@ def run_worker(spec: dict, result_file: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # the plan, run config by config in subprocesses
 # ---------------------------------------------------------------------------------------------
+def config_spec(group: str, label: str, mode: str, method: str, T: int, batch: int) -> dict:
+    """One configuration to measure: its place in the results, method, clip length, batch and the mode's settings."""
+    return {"group": group, "label": label, "method": method, "T": T, "batch": batch, "mode": mode, **MODES[mode]}
+
+
 def plan(args: argparse.Namespace) -> list[dict]:
     base = C.bench_size(args.size)
     t0, b0 = base.latent_shape[1], base.batch_size
     out: list[dict] = []
 
     def add(group: str, label: str, mode: str, method: str, T: int, batch: int) -> None:
-        out.append({"group": group, "label": label, "method": method, "T": T, "batch": batch, "mode": mode, **MODES[mode]})
+        out.append(config_spec(group, label, mode, method, T, batch))
 
     if "modes" in args.groups:
         pairs = [(m, mode) for m in args.methods for mode in args.modes]
@@ -293,10 +298,7 @@ def measure(
     """One configuration measured in a fresh subprocess (the benchmark's own path): the result
     dict of `run_worker`, or {"error": ...}. `extra`: more recipe overrides (e.g. mixed precision)."""
     base = C.bench_size(size)
-    spec = {
-        "group": "modes", "label": f"{method} {mode}", "method": method, "mode": mode, **MODES[mode],
-        "T": T or base.latent_shape[1], "batch": batch or base.batch_size,
-    }
+    spec = config_spec("modes", f"{method} {mode}", mode, method, T or base.latent_shape[1], batch or base.batch_size)
     spec["overrides"] = {**(MODES[mode].get("overrides") or {}), **(extra or {})}
     args = argparse.Namespace(size=size, work_dir=Path(work_dir), steps=1, timeout=timeout)
     Path(work_dir).mkdir(parents=True, exist_ok=True)

@@ -20,9 +20,10 @@ converted back to the original base instead (peft's PiSSA-to-LoRA conversion: ra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -54,6 +55,14 @@ def peft_lora_config(cfg: LoraConfig):
         target_modules=list(cfg.target_modules),
         init_lora_weights=PEFT_INIT[cfg.init],
     )
+
+
+def with_default_targets(cfg: LoraConfig, family_targets: Sequence[str]) -> LoraConfig:
+    """`cfg` with the family's LoRA targets (`lora_target_modules`) when the recipe names none
+    (`models.student.lora.target_modules` unset or empty)."""
+    if cfg.target_modules:
+        return cfg
+    return dataclasses.replace(cfg, target_modules=list(family_targets))
 
 
 def apply_lora(transformer: torch.nn.Module, cfg: LoraConfig) -> Optional[dict[str, torch.Tensor]]:

@@ -10,7 +10,6 @@ repo's own scheduler config.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -120,13 +119,11 @@ class DiffusersStudent(ModelBase):
         self.lora_enabled = bool(st.lora.enable and trainable)
         self.pissa_init_adapter: Optional[dict] = None
         if self.lora_enabled:
-            from fv_accel.models.lora import apply_lora
+            from fv_accel.models.lora import apply_lora, with_default_targets
 
             if len(self.modules) > 1 and st.lora.init == "pissa":
                 raise ValueError("models.student.lora.init: pissa is supported for one transformer only")
-            lora = st.lora
-            if not lora.target_modules:
-                lora = dataclasses.replace(lora, target_modules=list(self.lora_target_modules))
+            lora = with_default_targets(st.lora, self.lora_target_modules)
             for module in self.modules:
                 self.pissa_init_adapter = apply_lora(module, lora)
         self.input_dtype = self.input_dtype_of(self.modules[0])
