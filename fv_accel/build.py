@@ -207,8 +207,6 @@ def check_gradient_accumulation(acc, cfg: RunConfig) -> None:
         )
 
 
-LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 # DeepSpeed config keys the recipe decides, with the recipe key each one comes from.
 DEEPSPEED_RECIPE_KEYS = {
     "train_micro_batch_size_per_gpu": "training.data.train_batch_size",
@@ -259,6 +257,8 @@ def configure_fsdp2(plugin, mixed_precision: str, student) -> None:
     reduction, and one activation-checkpointing mechanism, not two."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from fv_accel.models.loading import LOW_PRECISION
+
     low = LOW_PRECISION.get(mixed_precision)
     policy = plugin.mixed_precision_policy
     if low is not None and (policy is None or getattr(policy, "reduce_dtype", None) in (None, low)):
@@ -295,6 +295,7 @@ def configure_engine(acc, cfg: RunConfig, student) -> None:
     """Fit the engine `accelerate launch` chose to the recipe, before `prepare` (DDP needs nothing)."""
     from accelerate.utils import DistributedType
 
+    from fv_accel.models.loading import LOW_PRECISION
     from fv_accel.optim import check_optimizer_engine
 
     check_gradient_accumulation(acc, cfg)  # also for an Accelerator the caller built

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from conftest import tiny_overrides
 
 CPU = torch.device("cpu")
 
@@ -25,17 +26,15 @@ def preprocess_tiny_clips(model: Path, root: Path) -> Path:
 
 
 def run_overrides(tmp: Path, model: Path, data: Path, **extra) -> dict:
-    """A 2-step run of `model` on `data` into `tmp/out`: no checkpoints, trackers, samples or EMA."""
-    over = {
-        "models.student.init_from": str(model),
-        "training.data.data_path": str(data),
-        "training.data.train_batch_size": 1,
-        "training.loop.max_train_steps": 2,
-        "training.checkpoint.output_dir": str(tmp / "out"),
-        "training.checkpoint.training_state_checkpointing_steps": 0,
-        "training.tracker.trackers": ["none"],
-        "callbacks.validation.enable": False,
-        "callbacks.ema.enable": False,
-    }
-    over.update(extra)
-    return over
+    """A 2-step run of `model` on `data` into `tmp/out`: tiny_overrides (no checkpoints, trackers,
+    samples, EMA or plots), batch size 1."""
+    return tiny_overrides(
+        tmp,
+        **{
+            "models.student.init_from": str(model),
+            "training.data.data_path": str(data),
+            "training.data.train_batch_size": 1,
+            "training.loop.max_train_steps": 2,
+            **extra,
+        },
+    )

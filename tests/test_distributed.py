@@ -112,9 +112,9 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def metrics_losses(output_dir: str) -> dict[int, float]:
+def metrics_values(output_dir: str, key: str) -> dict[int, float]:
     lines = (Path(output_dir) / "logs" / "metrics.jsonl").read_text().splitlines()
-    return {rec["step"]: rec["loss"] for rec in map(json.loads, lines) if "loss" in rec}
+    return {rec["step"]: rec[key] for rec in map(json.loads, lines) if key in rec}
 
 
 @pytest.fixture(scope="module")
@@ -249,18 +249,13 @@ def test_two_processes_equal_one_process(method, ddp_runs, tmp_path):
         assert batch2["logged"][step]["loss"] == pytest.approx(mean_of_ranks, abs=1e-5)
         assert accum2["logged"][step]["loss"] == pytest.approx(mean_of_ranks, abs=1e-5)
     # What the main process wrote to logs/metrics.jsonl is that mean too.
-    written = metrics_losses(ranks[0]["output_dir"])
+    written = metrics_values(ranks[0]["output_dir"], "loss")
     assert sorted(written) == [1, 2, 3]
     for step in range(STEPS):
         mean_of_ranks = (ranks[0]["steps"][step]["local_loss"] + ranks[1]["steps"][step]["local_loss"]) / 2
         assert written[step + 1] == pytest.approx(mean_of_ranks, abs=1e-6)
     # The two ranks' losses differ (different samples): the mean is not one rank's value.
     assert abs(ranks[0]["steps"][0]["local_loss"] - ranks[1]["steps"][0]["local_loss"]) > 1e-4
-
-
-def metrics_values(output_dir: str, key: str) -> dict[int, float]:
-    lines = (Path(output_dir) / "logs" / "metrics.jsonl").read_text().splitlines()
-    return {rec["step"]: rec[key] for rec in map(json.loads, lines) if key in rec}
 
 
 @pytest.mark.multiproc

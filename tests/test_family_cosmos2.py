@@ -211,7 +211,6 @@ def test_per_frame_timesteps_change_only_their_chunk_modulation(cosmos_dir):
 
 
 # ---- the family end to end: preprocess -> train -> save -> the stock pipeline ----
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")

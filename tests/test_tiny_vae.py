@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fv_accel.tiny.clips import render_clip, tiny_clip_specs
+from fv_accel.tiny.clips import clip_batch
 from fv_accel.tiny.model import TINY_VAE_CONFIG, build_tiny_vae
 from fv_accel.tiny.vae import latent_mixing, set_reconstructing_weights
 
@@ -16,15 +16,10 @@ from fv_accel.tiny.vae import latent_mixing, set_reconstructing_weights
 VAE_SEED = 2
 
 
-def clips(n: int, seed: int, frames: int = 9, size: int = 32) -> torch.Tensor:
-    video = [render_clip(s, num_frames=frames, height=size, width=size) for s in tiny_clip_specs(n, seed=seed)]
-    return torch.stack([torch.from_numpy(c).permute(3, 0, 1, 2) for c in video]).float() / 127.5 - 1.0
-
-
 @torch.no_grad()
 def test_latents_are_the_mixed_cell_colours_and_decode_back():
     vae = build_tiny_vae(VAE_SEED)
-    video = clips(4, seed=4242)  # 9 frames: latent frames of frames [0], [1-4], [5-8]
+    video = clip_batch(4, 4242, num_frames=9, height=32, width=32)  # 9 frames: latent frames of frames [0], [1-4], [5-8]
     posterior = vae.encode(video).latent_dist
     z = posterior.mode()
     assert z.shape == (4, 16, 3, 4, 4)

@@ -21,7 +21,7 @@ left whole (`causal_cp_plan`). Ring attention is refused by the recipe check (fv
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -117,15 +117,12 @@ def build_mesh(cp: Any, world_size: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(
+    return init_device_mesh(
         device_type, (world_size // cp.degree, cp.ring, cp.ulysses), mesh_dim_names=("dp", "ring", "ulysses")
     )
-    return mesh
 
 
-def enable_context_parallel(
-    transformers: list[torch.nn.Module], cp: Any, *, causal: bool, mesh: Optional[Any] = None
-) -> None:
+def enable_context_parallel(transformers: list[torch.nn.Module], cp: Any, *, causal: bool) -> None:
     """Split each transformer's sequence across the CP groups of the running process group."""
     from diffusers import ContextParallelConfig
 
@@ -133,7 +130,7 @@ def enable_context_parallel(
     check_world_size(cp, world_size)
     for transformer in transformers:
         check_transformer(transformer, cp)
-    mesh = mesh if mesh is not None else build_mesh(cp, world_size)
+    mesh = build_mesh(cp, world_size)
     for transformer in transformers:
         config = ContextParallelConfig(ulysses_degree=cp.ulysses, ring_degree=cp.ring, mesh=mesh["ring", "ulysses"])
         plan = causal_cp_plan(transformer) if causal else dict(transformer._cp_plan)

@@ -18,6 +18,8 @@ import torch
 from fv_accel.config import StudentConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Accelerate mixed_precision -> the low-precision compute dtype it autocasts to.
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ModelLoadError(OSError):

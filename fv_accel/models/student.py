@@ -19,7 +19,7 @@ import torch
 
 from fv_accel.config import RunConfig, StudentConfig
 from fv_accel.models.base import ModelBase
-from fv_accel.models.loading import DTYPES, fetch_config, load_transformer
+from fv_accel.models.loading import DTYPES, LOW_PRECISION, fetch_config, load_transformer
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +142,7 @@ class DiffusersStudent(ModelBase):
         the family's own (`_skip_layerwise_casting_patterns`: norms, embeddings, patch embedding)
         and `_keep_in_fp32_modules`. The compute dtype is the run's bf16/fp16 mixed precision,
         else the dtype the weights were loaded in."""
-        low = {"bf16": torch.bfloat16, "fp16": torch.float16}
-        compute = low.get(mixed_precision, DTYPES[self.student_config.torch_dtype])
+        compute = LOW_PRECISION.get(mixed_precision, DTYPES[self.student_config.torch_dtype])
         for module in self.modules:
             module.enable_layerwise_casting(storage_dtype=getattr(torch, storage_dtype), compute_dtype=compute)
         if not getattr(self.modules[0], "gradient_checkpointing", False):

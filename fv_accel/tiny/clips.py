@@ -69,3 +69,11 @@ def render_clip(spec: ClipSpec, *, num_frames: int, height: int, width: int) -> 
         alpha = np.clip(0.5 - dist, 0.0, 1.0)[..., None]  # anti-aliased edge
         frames[f] = (alpha * fg + (1 - alpha) * bg).round().astype(np.uint8)
     return frames
+
+
+def clip_batch(n: int, seed: int, *, num_frames: int, height: int, width: int):
+    """`n` procedural clips (tiny_clip_specs(n, seed)) as a float tensor [n, 3, F, H, W] in [-1, 1]."""
+    import torch
+
+    frames = np.stack([render_clip(s, num_frames=num_frames, height=height, width=width) for s in tiny_clip_specs(n, seed=seed)])
+    return torch.from_numpy(frames).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0

@@ -20,7 +20,6 @@ installable here, so the stock pipeline is loaded with
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from fv_accel.tiny.cache import default_cache_dir  # noqa: F401 (re-exported)
 from fv_accel.tiny.clips import COLORS, MOTIONS, ClipSpec, render_clip, tiny_clip_specs  # noqa: F401 (re-exported)
+
+
+def default_cache_dir() -> Path:
+    """Where the tiny datasets are cached: `$FV_ACCEL_CACHE`, else `$XDG_CACHE_HOME/fv_accel`, else
+    `~/.cache/fv_accel`."""
+    root = os.environ.get("FV_ACCEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "fv_accel"
+    )
+    return Path(root)
 
 
 def tiny_dataset_dir(data_cfg, cache_dir: Optional[str] = None) -> Path:

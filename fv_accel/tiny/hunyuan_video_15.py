@@ -171,14 +171,14 @@ def _measured_scaling_factor(seed: int) -> float:
     """1 / std of the tiny VAE (drawn from `seed`) latents' posterior mode over procedural clips."""
     from diffusers import AutoencoderKLHunyuanVideo15
 
-    from fv_accel.tiny.clips import render_clip, tiny_clip_specs
+    from fv_accel.tiny.clips import clip_batch
 
     torch.manual_seed(seed)
     vae = AutoencoderKLHunyuanVideo15(**VAE_CONFIG).eval()
-    clips = [render_clip(spec, num_frames=9, height=32, width=32) for spec in tiny_clip_specs(8, seed=123)]
+    video = clip_batch(8, 123, num_frames=9, height=32, width=32)
     # One clip per call: the VAE's mid-block attention mask (diffusers 0.42.1) broadcasts only for batch 1.
     with torch.no_grad():
-        z = torch.cat([vae.encode(torch.from_numpy(c).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0).latent_dist.mode() for c in clips])
+        z = torch.cat([vae.encode(clip[None]).latent_dist.mode() for clip in video])
     return round(1.0 / float(z.std().clamp_min(1e-4)), 6)
 
 

@@ -83,11 +83,10 @@ def tiny_ltx_latent_stats(seed: int) -> tuple[tuple[float, ...], tuple[float, ..
     """Per-channel mean/std of the tiny VAE's latents (the posterior's mode) over procedural clips
     of 17 frames at 64x64, so that its `latents_mean`/`latents_std` buffers describe its own latent
     space as LTX-Video's describe LTX-Video's."""
-    from fv_accel.tiny.clips import render_clip, tiny_clip_specs
+    from fv_accel.tiny.clips import clip_batch
 
     vae = build_tiny_ltx_vae(seed)
-    clips = [render_clip(spec, num_frames=17, height=64, width=64) for spec in tiny_clip_specs(8, seed=123)]
-    video = torch.stack([torch.from_numpy(c).permute(3, 0, 1, 2) for c in clips]).float() / 127.5 - 1.0
+    video = clip_batch(8, 123, num_frames=17, height=64, width=64)
     with torch.no_grad():
         z = vae.encode(video).latent_dist.mode()  # [B, C, T, H, W]
     mean = z.mean(dim=(0, 2, 3, 4))

@@ -368,11 +368,9 @@ def _tiny_vae_latent_stats(kind: str, seed: int) -> tuple[list[float], list[floa
 def measure_latent_stats(vae) -> tuple[list[float], list[float]]:
     """Per-channel mean/std of the tiny VAE's latents over procedural clips, so that the tiny
     model's `latents_mean`/`latents_std` describe its own latent space (as Wan's do for Wan's)."""
-    from fv_accel.tiny.clips import render_clip, tiny_clip_specs
+    from fv_accel.tiny.clips import clip_batch
 
-    clips = [render_clip(spec, num_frames=9, height=32, width=32) for spec in tiny_clip_specs(8, seed=123)]
-    video = torch.stack([torch.from_numpy(c).permute(3, 0, 1, 2) for c in clips]).float() / 127.5 - 1.0
-    z = vae.encode(video).latent_dist.mode()  # [B, C, T, H, W]
+    z = vae.encode(clip_batch(8, 123, num_frames=9, height=32, width=32)).latent_dist.mode()  # [B, C, T, H, W]
     mean = z.mean(dim=(0, 2, 3, 4))
     std = z.std(dim=(0, 2, 3, 4)).clamp_min(1e-4)
     return [round(float(v), 6) for v in mean], [round(float(v), 6) for v in std]
