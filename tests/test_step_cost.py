@@ -205,6 +205,10 @@ def test_a_step_reads_the_device_once_except_on_log_steps(monkeypatch, tmp_path,
     per_step: dict[int, list[str]] = {}
 
     class Count(TrainerCallback):
+        def on_train_start(self, trainer):
+            counting[0] = True
+            reads.clear()
+
         def on_step_end(self, trainer, step, logs):
             per_step[step] = list(reads)
             reads.clear()
@@ -216,16 +220,7 @@ def test_a_step_reads_the_device_once_except_on_log_steps(monkeypatch, tmp_path,
                                     "training.tracker.log_every": log_every}),
         callbacks=[Count()],
     )
-    trainer = Trainer(run)
-    original_start = Count.on_train_start
-
-    def start(self, tr):
-        counting[0] = True
-        reads.clear()
-        original_start(self, tr)
-
-    monkeypatch.setattr(Count, "on_train_start", start)
-    trainer.run()
+    Trainer(run).run()
     counting[0] = False
 
     log_steps = {1, log_every, 2 * log_every, steps}
