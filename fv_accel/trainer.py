@@ -251,13 +251,6 @@ class Trainer:
         if max_norm > 0 and math.isfinite(max_norm) and max_norm / (norm_value + 1e-6) < 1.0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
 
-    def _clip_gradients(self, params: list, max_norm: float) -> Any:
-        """The global gradient norm, the gradients clipped to `max_norm` (<= 0: no limit)."""
-        norm, clipped = self._grad_norm(params, max_norm)
-        if not clipped:
-            self._clip_to(params, max_norm, norm, float(norm))
-        return norm
-
     # ---- numerical faults: checked before the optimizer step ----
     def _find_fault(
         self, loss: torch.Tensor, grad_norm: Any, micro: list, step: int, *, scaler_skipped: bool = False
@@ -536,7 +529,7 @@ class Trainer:
                         if fault is None:
                             # The engine has stepped: its norm can only tell that it applied a
                             # non-finite gradient, unless its fp16 loss scaler dropped the update.
-                            grad_norm = self._clip_gradients(params, max_norm)
+                            grad_norm, _ = self._grad_norm(params, max_norm)  # clipped inside the engine's step
                             engine_skipped = bool(getattr(method.optimizer, "step_was_skipped", False))
                             fault = self._find_fault(
                                 loss_sums["total_loss"], grad_norm, micro_records, self.step + 1, scaler_skipped=engine_skipped

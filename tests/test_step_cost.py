@@ -109,7 +109,9 @@ def test_clipping_matches_torch_and_skips_the_pass_under_the_limit(monkeypatch, 
     monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: passes.append(1) or original(*a, **k))
     trainer = Trainer.__new__(Trainer)  # only what clipping reads
     trainer.accelerator, trainer.steps_in_backward = Accelerator(cpu=True), False
-    got_norm = trainer._clip_gradients(ours, max_norm)
+    got_norm, clipped = trainer._grad_norm(ours, max_norm)  # the trainer's path without an engine
+    assert not clipped
+    trainer._clip_to(ours, max_norm, got_norm, float(got_norm))
 
     assert torch.equal(got_norm, expected_norm)
     for a, b in zip(ours, reference):
