@@ -7,9 +7,9 @@ with LoRA injected by peft the way training injects it, so parameter counts are 
     parameters   every element x its storage bytes (recipe torch_dtype; a LoRA adapter in fp32;
                  `models.student.storage_dtype` for the frozen layers diffusers' layerwise casting stores)
     gradients    trainable elements x their bytes (DDP adds its gradient buckets: a second copy)
-    optimizer    per trainable tensor, by optimizer (OPTIMIZER_STATE_BYTES)
+    optimizer    per trainable tensor, by optimizer (fv_accel.optim.optimizer_state_bytes)
     EMA          trainable elements x 4 (an fp32 shadow; `callbacks.ema.device: cpu` puts it in host memory)
-    activations  what autograd keeps for the largest bucket the data can produce (WAN_ACTIVATIONS)
+    activations  what autograd keeps for the largest bucket the data can produce (wan_activation_bytes)
 
 Sharding follows the launch: `accelerate launch` exports the engine (ACCELERATE_USE_FSDP /
 ACCELERATE_USE_DEEPSPEED with ACCELERATE_DEEPSPEED_ZERO_STAGE), the mixed precision and WORLD_SIZE.
@@ -35,15 +35,6 @@ from fv_accel.config import RunConfig
 
 MIB = 2**20
 GIB = 2**30
-
-STORAGE_BYTES = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
-
 
 class EstimateUnavailable(Exception):
     """The estimate needs something the recipe does not reach (the model's config.json)."""
@@ -168,10 +159,6 @@ class Launch:
         if self.engine == "FSDP":
             return f"{n}, FSDP2"
         return f"{n}, DDP" if self.processes > 1 else n
-
-    @property
-    def shards(self) -> int:
-        return self.processes
 
 
 def launch_from_env(cfg: RunConfig, env: Mapping[str, str]) -> Launch:
@@ -328,33 +315,26 @@ def _config_reachable(model: str, subfolder: Optional[str], revision: Optional[s
     return isinstance(found, str)
 
 
-def _transformer_class(cfg: RunConfig, config: dict) -> type:
-    from fv_accel.models import FAMILIES, family_of
+def _transformer_class(cfg: RunConfig, config: dict) -> tuple[type, type]:
+    """(model family, transformer class) of a transformer config."""
+    from fv_accel.models import family_for_class_name, family_of
 
     st = cfg.models.student
-    family = family_of(cfg) if st.init_from is None or st.model_class != "auto" else None
+    if st.init_from is None or st.model_class != "auto":
+        family = family_of(cfg)
+        classes = family.transformer_classes
+        kind = next(iter(classes)) if st.model_class == "auto" else st.model_class
+        return family, classes[kind]
+    name = config.get("_class_name")
+    family = family_for_class_name(name)
     if family is None:
-        name = config.get("_class_name")
-        for fam in FAMILIES.values():
-            for cls in fam.transformer_classes.values():
-                if cls.__name__ == name:
-                    return cls
         raise EstimateUnavailable(f"transformer class {name!r} of {st.init_from} belongs to no registered family")
-    classes = family.transformer_classes
-    kind = next(iter(classes)) if st.model_class == "auto" else st.model_class
-    return classes[kind]
+    return family, next(cls for cls in family.transformer_classes.values() if cls.__name__ == name)
 
 
-def _lora_targets(cfg: RunConfig, cls: type) -> list[str]:
-    from fv_accel.models import FAMILIES
-
+def _lora_targets(cfg: RunConfig, family: type) -> list[str]:
     st = cfg.models.student
-    if st.lora.target_modules:
-        return list(st.lora.target_modules)
-    for fam in FAMILIES.values():
-        if cls in fam.transformer_classes.values():
-            return list(fam.lora_target_modules)
-    raise EstimateUnavailable(f"no LoRA targets known for {cls.__name__}")
+    return list(st.lora.target_modules or family.lora_target_modules)
 
 
 def build_meta_transformer(cfg: RunConfig, config: dict) -> torch.nn.Module:
@@ -364,7 +344,7 @@ def build_meta_transformer(cfg: RunConfig, config: dict) -> torch.nn.Module:
     from fv_accel.models.loading import DTYPES
 
     st = cfg.models.student
-    cls = _transformer_class(cfg, config)
+    family, cls = _transformer_class(cfg, config)
     with init_empty_weights():
         model = cls.from_config(dict(config))
     dtype = DTYPES[st.torch_dtype]
@@ -385,7 +365,7 @@ def build_meta_transformer(cfg: RunConfig, config: dict) -> torch.nn.Module:
     if st.lora.enable:
         from fv_accel.models.lora import peft_lora_config
 
-        lora = dataclasses.replace(st.lora, init="default", target_modules=_lora_targets(cfg, cls))
+        lora = dataclasses.replace(st.lora, init="default", target_modules=_lora_targets(cfg, family))
         model.requires_grad_(False)
         with init_empty_weights():
             model.add_adapter(peft_lora_config(lora), adapter_name="default")
@@ -413,20 +393,16 @@ def census(cfg: RunConfig) -> ParamCensus:
                 c.trainable += n
                 c.trainable_bytes += n * size
                 c.trainable_tensors.append((tuple(p.shape), size, lora_zero_b and "lora_B" in name))
-        for module in model.modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.Conv3d, torch.nn.Conv2d)) and module.weight.dtype != torch.bfloat16:
-                c.matmul_weights_not_bf16 += module.weight.numel()
-                if module.weight.requires_grad:
-                    c.matmul_weights_trainable_not_bf16 += module.weight.numel()
         blocks = getattr(model, "blocks", None) or getattr(model, "transformer_blocks", None) or []
         in_blocks = {id(m) for block in blocks for m in block.modules()}
-        c.matmul_outside_blocks_not_bf16 += sum(
-            m.weight.numel()
-            for m in model.modules()
-            if isinstance(m, (torch.nn.Linear, torch.nn.Conv3d, torch.nn.Conv2d))
-            and id(m) not in in_blocks
-            and m.weight.dtype != torch.bfloat16
-        )
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv3d, torch.nn.Conv2d)) and module.weight.dtype != torch.bfloat16:
+                numel = module.weight.numel()
+                c.matmul_weights_not_bf16 += numel
+                if module.weight.requires_grad:
+                    c.matmul_weights_trainable_not_bf16 += numel
+                if id(module) not in in_blocks:
+                    c.matmul_outside_blocks_not_bf16 += numel
         for block in blocks:
             c.largest_block_params = max(c.largest_block_params, sum(p.numel() for p in block.parameters()))
             c.largest_block_matmul_not_bf16 = max(
@@ -456,33 +432,32 @@ def _vae_factors_of_model(cfg: RunConfig) -> tuple[int, int, str]:
     from fv_accel.data.loader import VAE_SPATIAL, VAE_TEMPORAL
 
     st = cfg.models.student
-    if st.init_from is not None and st.init_from in PUBLISHED_ARCHITECTURES and not _config_reachable(st.init_from, "vae", st.revision):
-        t, hw = PUBLISHED_ARCHITECTURES[st.init_from][1]
-        return t, hw, f"{st.init_from}'s VAE as published ({t}x time, {hw}x space)"
-    if st.init_from is not None:
+    if st.init_from is None:
+        return VAE_TEMPORAL, VAE_SPATIAL, "Wan 2.1 VAE: 4x time, 8x space"
+    published = PUBLISHED_ARCHITECTURES.get(st.init_from)
+    if published is None or _config_reachable(st.init_from, "vae", st.revision):
         from fv_accel.models import family_of
         from fv_accel.models.loading import ModelLoadError
 
         try:
             spec = family_of(cfg).encoding_spec(st.init_from, st.revision)
-        except (ModelLoadError, ValueError, KeyError) as err:
-            del err
-            if st.init_from in PUBLISHED_ARCHITECTURES:
-                t, hw = PUBLISHED_ARCHITECTURES[st.init_from][1]
-                return t, hw, f"{st.init_from}'s VAE as published ({t}x time, {hw}x space)"
-            raise EstimateUnavailable(
-                f"activations need the VAE's compression from {st.init_from}/vae/config.json, not in the local folder "
-                f"or Hugging Face cache: `hf download {st.init_from} vae/config.json`"
-            ) from None
-        return int(spec.scale_factor_temporal), int(spec.scale_factor_spatial), f"{st.init_from}'s VAE"
-    return VAE_TEMPORAL, VAE_SPATIAL, "Wan 2.1 VAE: 4x time, 8x space"
+        except (ModelLoadError, ValueError, KeyError):
+            if published is None:
+                raise EstimateUnavailable(
+                    f"activations need the VAE's compression from {st.init_from}/vae/config.json, not in the local folder "
+                    f"or Hugging Face cache: `hf download {st.init_from} vae/config.json`"
+                ) from None
+        else:
+            return int(spec.scale_factor_temporal), int(spec.scale_factor_spatial), f"{st.init_from}'s VAE"
+    t, hw = published[1]
+    return t, hw, f"{st.init_from}'s VAE as published ({t}x time, {hw}x space)"
 
 
 def largest_bucket(cfg: RunConfig, patch: tuple[int, int, int], channels: int) -> Bucket:
     """The largest latent one step can get: the dataset's largest row shape that the recipe's
     num_latent_t / num_frames / num_height / num_width keep, those keys themselves where the data
     is not here, or the tiny clips through the tiny (Wan 2.1) VAE."""
-    from fv_accel.data.loader import VAE_SPATIAL, VAE_TEMPORAL, wanted_latent_shape
+    from fv_accel.data.loader import TEXT_MAX_LENGTH, VAE_SPATIAL, VAE_TEMPORAL, wanted_latent_shape
 
     data = cfg.training.data
     pt, ph, pw = patch
@@ -490,7 +465,7 @@ def largest_bucket(cfg: RunConfig, patch: tuple[int, int, int], channels: int) -
     def tokens(shape: tuple[int, ...]) -> int:
         return (shape[1] // pt) * (shape[2] // ph) * (shape[3] // pw)
 
-    text_tokens = 512  # fv_accel.data.loader.TEXT_MAX_LENGTH: text embeddings are padded to it
+    text_tokens = TEXT_MAX_LENGTH  # text embeddings are padded to it
     batch = data.train_batch_size
     path = data.data_path
     shapes: list[tuple[int, ...]] = []
@@ -586,18 +561,18 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
     c = census(cfg)
     st = cfg.models.student
     opt_name = cfg.training.optimizer.name
-    n = launch.shards
+    n = launch.processes
     host: dict[str, float] = {}
     notes: list[str] = [f"transformer: {where}" for where in dict.fromkeys(c.sources) if where.startswith("the published")]
     low = launch.mixed_precision in ("bf16", "fp16")
     frozen_bytes = c.param_bytes - c.trainable_bytes
 
-    opt_state = optimizer_state_bytes(cfg, c.trainable_tensors)
+    # Under DeepSpeed the optimizer state is computed on fp32 elements (ZeRO's master copy, below).
+    opt_state = optimizer_state_bytes(cfg, c.trainable_tensors, itemsize=4 if launch.engine == "DEEPSPEED" else None)
     if launch.engine == "DEEPSPEED":
         # ZeRO (Rajbhandari et al.): with bf16 the module holds 2-byte weights and gradients and
         # the optimizer an fp32 master copy with its state, computed on fp32 elements.
         weight_bytes = 2 if low else 4
-        opt_state = optimizer_state_bytes(cfg, c.trainable_tensors, itemsize=4)
         if low:
             opt_state += 4 * c.trainable
         params = c.total * weight_bytes if low else c.param_bytes
@@ -632,7 +607,7 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
     if launch.offload_optimizer:
         host["optimizer"] = opt_state
         opt_state = 0.0
-    if launch.offload_params and launch.engine in ("FSDP",) or (launch.engine == "DEEPSPEED" and launch.zero_stage >= 3 and launch.offload_params):
+    if launch.offload_params and (launch.engine == "FSDP" or (launch.engine == "DEEPSPEED" and launch.zero_stage >= 3)):
         host["parameters"] = params
         params = 0.0
 

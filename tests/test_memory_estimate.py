@@ -56,7 +56,7 @@ def test_components_equal_those_of_the_built_student():
         assert est.ema == sum(t.numel() * t.element_size() for t in ema.shadow)
 
 
-def _saved_bytes(cfg, tokens_hw, autocast: bool, ckpt: bool = False) -> float:
+def _saved_bytes(cfg, tokens_hw, autocast: bool) -> float:
     """Bytes of the distinct storages autograd saves in one forward of the tiny student."""
     from fv_accel.models import build_student
     from fv_accel.models.base import Conditioning
@@ -89,7 +89,7 @@ def test_activation_formula_matches_what_autograd_saves(autocast, ckpt):
     counted on the tiny model at 4 x 16 x 16 latents (256 tokens)."""
     overrides = {"training.model.enable_gradient_checkpointing_type": "full"} if ckpt else {}
     cfg = _cfg(**overrides)
-    counted = _saved_bytes(cfg, (4, 16, 16), autocast, ckpt)
+    counted = _saved_bytes(cfg, (4, 16, 16), autocast)
     tc = cfg.models.student.transformer_config
     shape = WanShape(
         width=tc["num_attention_heads"] * tc["attention_head_dim"], ffn=tc["ffn_dim"], heads=tc["num_attention_heads"],

@@ -13,7 +13,7 @@ import torch
 
 from fv_accel.checkpoint import CheckpointError
 from fv_accel.config import ConfigError, default_recipe, load_config
-from fv_accel.optim import adamw_implementation, check_optimizer_engine, optimizer_state_bytes
+from fv_accel.optim import ADAMW_KERNEL_ARGS, adamw_implementation, check_optimizer_engine, optimizer_state_bytes
 from fv_accel.trainer import Trainer, TrainerCallback
 from tests.resume_helpers import SMALL_TRANSFORMER, build, small_overrides, weights, write_latent_dataset
 
@@ -167,8 +167,7 @@ def test_fused_adamw_on_cpu_matches_the_for_loop_within_1e_6():
     for impl in ("fused", "for_loop"):
         params = [torch.nn.Parameter(t.clone()) for t in start]
         assert adamw_implementation("auto" if impl == "fused" else impl, params) == impl
-        kernel = {"fused": True} if impl == "fused" else {"foreach": False}
-        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **kernel)
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **ADAMW_KERNEL_ARGS[impl])
         for step in grads:
             for p, g in zip(params, step):
                 p.grad = g.clone()
