@@ -332,11 +332,6 @@ def _transformer_class(cfg: RunConfig, config: dict) -> tuple[type, type]:
     return family, next(cls for cls in family.transformer_classes.values() if cls.__name__ == name)
 
 
-def _lora_targets(cfg: RunConfig, family: type) -> list[str]:
-    st = cfg.models.student
-    return list(st.lora.target_modules or family.lora_target_modules)
-
-
 def build_meta_transformer(cfg: RunConfig, config: dict) -> torch.nn.Module:
     """The transformer as training builds it (dtype, storage dtype, LoRA), with meta tensors."""
     from accelerate import init_empty_weights
@@ -363,9 +358,9 @@ def build_meta_transformer(cfg: RunConfig, config: dict) -> torch.nn.Module:
         except Exception as err:  # a diffusers without layerwise casting for this class
             raise EstimateUnavailable(f"models.student.storage_dtype {storage}: {err}") from None
     if st.lora.enable:
-        from fv_accel.models.lora import peft_lora_config
+        from fv_accel.models.lora import peft_lora_config, with_default_targets
 
-        lora = dataclasses.replace(st.lora, init="default", target_modules=_lora_targets(cfg, family))
+        lora = dataclasses.replace(with_default_targets(st.lora, family.lora_target_modules), init="default")
         model.requires_grad_(False)
         with init_empty_weights():
             model.add_adapter(peft_lora_config(lora), adapter_name="default")
