@@ -103,9 +103,9 @@ class EmaWeights:
         # Consecutive tensors of at most UPDATE_GROUP_NUMEL elements in all (a single larger tensor
         # forms its own group): an update converts one group to fp32 at a time.
         self.groups: list[list[int]] = []
-        total = UPDATE_GROUP_NUMEL
+        total = 0
         for i, s in enumerate(self.shadow):
-            if total + s.numel() > UPDATE_GROUP_NUMEL:
+            if not self.groups or total + s.numel() > UPDATE_GROUP_NUMEL:
                 self.groups.append([])
                 total = 0
             self.groups[-1].append(i)

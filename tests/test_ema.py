@@ -55,6 +55,10 @@ def test_ema_update_over_all_tensors_equals_lerp_per_tensor(group_numel, monkeyp
             r.lerp_(p.detach(), 1.0 - 0.9)
     for s, r in zip(ema.shadow, reference):
         assert torch.equal(s, r)
+    # A sharded run's local shard can be empty (FSDP2 on a rank that holds none of a small tensor).
+    empty_first = EmaWeights([torch.nn.Parameter(torch.zeros(0)), *params], decay=0.9, device=torch.device("cpu"))
+    assert empty_first.groups == ([[0, 1], [2], [3]] if group_numel else [[0, 1, 2, 3]])
+    empty_first.update()
 
 
 def test_ema_callback_skips_steps_the_trainer_skipped():
