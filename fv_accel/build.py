@@ -2,7 +2,7 @@
 scripts and usable from Python or a notebook:
 
     from fv_accel import build_from_config, Trainer
-    run = build_from_config("configs/tiny_dfsft.yaml", {"method.chunk_size": 1})
+    run = build_from_config("configs/tiny_dfsft.yaml", {"method.chunk_size": 1, "training.loop.max_train_steps": 200})
     method, dataloader, start_step = run
     Trainer(run).run()
 """
