@@ -19,13 +19,17 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The demo starts afresh each time: a run refuses an output folder holding another run's checkpoints.
+# `accelerate launch` gives a lone CPU process one thread unless OMP_NUM_THREADS says otherwise: the
+# demos use every core (an OMP_NUM_THREADS already set is kept).
+DEMO_THREADS = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$$(nproc)}
+
 demo: $(STAMP)
 	rm -rf outputs/tiny_dfsft
-	$(VENV)/bin/accelerate launch train_dfsft.py
+	$(DEMO_THREADS) $(VENV)/bin/accelerate launch train_dfsft.py
 
 demo-finetune: $(STAMP)
 	rm -rf outputs/tiny_finetune
-	$(VENV)/bin/accelerate launch train_finetune.py
+	$(DEMO_THREADS) $(VENV)/bin/accelerate launch train_finetune.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -462,6 +462,19 @@ def build_callbacks(cfg: RunConfig, data_path: str, accelerator: Any = None) -> 
     return out + build_validation_callbacks(cfg, data_path, ema=ema, accelerator=accelerator)
 
 
+def warn_single_cpu_thread(acc: Any) -> None:
+    """One CPU process computing on one thread where the machine has more cores: `accelerate launch`
+    sets OMP_NUM_THREADS=1 for its processes unless OMP_NUM_THREADS or --num_cpu_threads_per_process
+    says otherwise (the Makefile's demo targets set it to the machine's cores)."""
+    cores = os.cpu_count() or 1
+    if acc.device.type == "cpu" and acc.num_processes == 1 and torch.get_num_threads() == 1 and cores > 1:
+        logger.warning(
+            "torch computes on 1 CPU thread (OMP_NUM_THREADS=%s) on a machine with %d cores: "
+            "`accelerate launch --num_cpu_threads_per_process %d ...` or OMP_NUM_THREADS=%d uses them all",
+            os.environ.get("OMP_NUM_THREADS", "unset"), cores, cores, cores,
+        )
+
+
 def build_from_config(
     path_or_dict: Union[str, os.PathLike, dict, RunConfig],
     overrides: Optional[dict[str, Any]] = None,
@@ -499,6 +512,7 @@ def build_from_config(
     acc = accelerator or build_accelerator(cfg)
     logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     check_ema_supported(cfg, acc)
+    warn_single_cpu_thread(acc)
     from fv_accel.trainer import engine_steps_in_backward, resolve_nan_policy
 
     resolve_nan_policy(cfg, engine_steps_in_backward(acc), log=acc.is_main_process)  # nan_policy skip is refused under DeepSpeed

@@ -111,6 +111,10 @@ class DataConfig:
     num_height: Optional[int] = None
     num_width: Optional[int] = None
     num_frames: Optional[int] = None
+    # Text embeddings are zero-padded (or cut) to this many tokens in training, in the sample videos
+    # and in the held-out loss. A pipeline that loads the result takes the same number as its
+    # `max_sequence_length` (512 is the default of Wan's and SkyReels-V2's pipelines).
+    text_max_length: int = 512
     # Extra datasets mixed in with weights: [{data_path: ..., weight: ...}].
     mix: list[dict] = field(default_factory=list)
     # Tiny built-in dataset (data_path: tiny).
@@ -469,6 +473,8 @@ def validate(cfg: RunConfig, source: str) -> None:
     data = cfg.training.data
     if data.train_batch_size < 1:
         raise bad("training.data.train_batch_size", data.train_batch_size, "an integer >= 1")
+    if data.text_max_length < 1:
+        raise bad("training.data.text_max_length", data.text_max_length, "an integer >= 1")
     if data.dataloader_num_workers < 0:
         raise bad("training.data.dataloader_num_workers", data.dataloader_num_workers, "an integer >= 0")
     if not 0.0 <= data.training_cfg_rate <= 1.0:

@@ -119,6 +119,7 @@ def card_text(
     lines.append(f"- learning rate {opt.learning_rate:g} ({opt.lr_scheduler}, {opt.lr_warmup_steps} warmup steps), weight decay {opt.weight_decay:g}")
     size = f"{data_size} training clips" if data_size is not None else "unknown size"
     lines.append(f"- data: `{data.data_path}` ({size})")
+    lines.append(f"- text embeddings padded to {data.text_max_length} tokens")
     if summary:
         first, last = summary.get("first_loss"), summary.get("last_loss")
         if isinstance(first, float) and isinstance(last, float):
@@ -128,6 +129,9 @@ def card_text(
 
     lines += ["", "## Use it with diffusers", ""]
     lines += _diffusers_snippet(output_dir, where, family, kind, lora, base or st.init_from)
+    if data.text_max_length != 512:
+        lines += ["", f"Trained on prompts padded to {data.text_max_length} tokens: sample with "
+                  f"`pipe(..., max_sequence_length={data.text_max_length})`."]
     if (output_dir / "pytorch_lora_weights_comfyui.safetensors").is_file():
         lines += [
             "",

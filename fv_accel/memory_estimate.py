@@ -452,7 +452,7 @@ def largest_bucket(cfg: RunConfig, patch: tuple[int, int, int], channels: int) -
     """The largest latent one step can get: the dataset's largest row shape that the recipe's
     num_latent_t / num_frames / num_height / num_width keep, those keys themselves where the data
     is not here, or the tiny clips through the tiny (Wan 2.1) VAE."""
-    from fv_accel.data.loader import TEXT_MAX_LENGTH, VAE_SPATIAL, VAE_TEMPORAL, wanted_latent_shape
+    from fv_accel.data.loader import VAE_SPATIAL, VAE_TEMPORAL, wanted_latent_shape
 
     data = cfg.training.data
     pt, ph, pw = patch
@@ -460,7 +460,7 @@ def largest_bucket(cfg: RunConfig, patch: tuple[int, int, int], channels: int) -
     def tokens(shape: tuple[int, ...]) -> int:
         return (shape[1] // pt) * (shape[2] // ph) * (shape[3] // pw)
 
-    text_tokens = TEXT_MAX_LENGTH  # text embeddings are padded to it
+    text_tokens = data.text_max_length  # text embeddings are padded to it
     batch = data.train_batch_size
     path = data.data_path
     shapes: list[tuple[int, ...]] = []

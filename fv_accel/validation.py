@@ -347,11 +347,11 @@ class HeldoutLossCallback(TrainerCallback):
         self.precondition = bool(cfg.training.model.precondition_outputs)
         if heldout_path or val.heldout_data_path:
             self.source = heldout_path or val.heldout_data_path
-            self.dataset = LatentDataset(self.source)
+            self.dataset = LatentDataset(self.source, text_max_length=cfg.training.data.text_max_length)
             rows = list(range(len(self.dataset)))
         else:
             rows = heldout_split(count_rows(data_path), val.heldout_fraction, cfg.training.data.seed)
-            self.dataset = LatentDataset(data_path)
+            self.dataset = LatentDataset(data_path, text_max_length=cfg.training.data.text_max_length)
             self.source = f"{data_path} ({val.heldout_fraction:g} held out)"
         self.rows = rows[: val.heldout_max_samples]
         self.best: Optional[tuple[float, int]] = None
@@ -688,8 +688,6 @@ class VideoSamplingCallback(TrainerCallback):
     def _load(self, trainer: Any) -> None:
         """Load the student family's VAE (kept on the CPU between validations) and encode every prompt
         once with its text encoder(s)."""
-        from fv_accel.data.loader import TEXT_MAX_LENGTH
-
         acc = trainer.accelerator
         source = self.model_source
         revision = self.cfg.models.student.revision if source == self.cfg.models.student.init_from else None
@@ -701,7 +699,7 @@ class VideoSamplingCallback(TrainerCallback):
         with torch.no_grad():
             for text in texts:
                 columns = {k: v.float().cpu() for k, v in encoder.encode_caption(text).items()}
-                self.embeddings[text] = prompt_columns(columns, TEXT_MAX_LENGTH)
+                self.embeddings[text] = prompt_columns(columns, self.cfg.training.data.text_max_length)
         self.vae = encoder.vae.to("cpu", torch.float32).eval().requires_grad_(False)
         self.spatial, self.temporal = int(encoder.spec.scale_factor_spatial), int(encoder.spec.scale_factor_temporal)
         del encoder
@@ -715,7 +713,7 @@ class VideoSamplingCallback(TrainerCallback):
 
         from fv_accel.data.loader import LatentDataset
 
-        self.condition = collate_one(LatentDataset(self.data_path)[(0, 0, 0)])
+        self.condition = collate_one(LatentDataset(self.data_path, text_max_length=self.cfg.training.data.text_max_length)[(0, 0, 0)])
         _, t, h, w = self.condition["vae_latent"].shape[1:]
         size = dict(height=h * spatial, width=w * spatial, num_frames=(t - 1) * temporal + 1)
         self.prompts = [dataclasses.replace(p, **size) for p in self.prompts]

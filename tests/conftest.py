@@ -62,20 +62,25 @@ def tiny_data_path(_cache_dir):
     return str(ensure_tiny_dataset(cfg.training.data))
 
 
-# The tests' Wan: 2 blocks, 96 wide (tiny_finetune.yaml's transformer). The DFSFT demo recipe trains a
-# 4-block, 128-wide one; the tests run the code paths, at ~25 ms a step, on this one.
-SMALL_WAN = {
+# The tests' DFSFT scale: a 2-block, 96-wide Wan (tiny_finetune.yaml's transformer), batch 2 at
+# learning rate 1e-3 and text padded to 512 tokens (the real models' length). The DFSFT demo recipe
+# trains a 4-block, 128-wide Wan on batches of 8 with 16-token text; the tests run the code paths, at
+# ~25 ms a step, on this one.
+TEST_SCALE = {
     "models.student.transformer_config.num_layers": 2,
     "models.student.transformer_config.attention_head_dim": 24,
     "models.student.transformer_config.ffn_dim": 192,
+    "training.data.train_batch_size": 2,
+    "training.optimizer.learning_rate": 1.0e-3,
+    "training.data.text_max_length": 512,
 }
 
 
 def tiny_overrides(tmp_path, **extra):
-    """Overrides that keep a tiny run fast and inside tmp_path (SMALL_WAN, no checkpoints, trackers,
+    """Overrides that keep a tiny run fast and inside tmp_path (TEST_SCALE, no checkpoints, trackers,
     samples, EMA or plots)."""
     out = {
-        **SMALL_WAN,
+        **TEST_SCALE,
         "training.checkpoint.output_dir": str(tmp_path / "out"),
         "training.tracker.trackers": ["none"],
         "training.checkpoint.training_state_checkpointing_steps": 0,

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.conftest import SMALL_WAN
+from tests.conftest import TEST_SCALE
 from tests.launch_helpers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,7 +72,7 @@ def overrides(out_dir: Path, **extra) -> dict:
     differences of ~5e-5. With 1e-5 the rounding stays below 1e-6 in the weights, while gradients
     above eps still move each weight by ~lr per step."""
     base = {
-        **SMALL_WAN,
+        **TEST_SCALE,
         "training.loop.noise_rng": "sample",
         "training.loop.max_train_steps": STEPS,
         "training.optimizer.lr_warmup_steps": 0,

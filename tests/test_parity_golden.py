@@ -14,7 +14,7 @@ import torch
 from fv_accel.config import default_recipe, load_config
 from fv_accel.methods import METHODS
 from fv_accel.models import build_student
-from conftest import SMALL_WAN
+from conftest import TEST_SCALE
 from test_methods import fake_batch
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "parity_golden.json").read_text())
@@ -28,14 +28,14 @@ CASES_A = {
          "training.model.precondition_outputs": True},
     ),
     "finetune_sample_rng": ("finetune", {"training.loop.noise_rng": "sample"}),
-    "dfsft_chunk3": ("dfsft", SMALL_WAN),
+    "dfsft_chunk3": ("dfsft", TEST_SCALE),
     "dfsft_chunk2_range_timestep_weights": (
         "dfsft",
         {"method.chunk_size": 2, "method.min_timestep_ratio": 0.1, "method.max_timestep_ratio": 0.9,
-         "method.weighting": "timestep", **SMALL_WAN},
+         "method.weighting": "timestep", **TEST_SCALE},
     ),
     "dfsft_sample_rng_precond": (
-        "dfsft", {"training.loop.noise_rng": "sample", "training.model.precondition_outputs": True, **SMALL_WAN}
+        "dfsft", {"training.loop.noise_rng": "sample", "training.model.precondition_outputs": True, **TEST_SCALE}
     ),
 }
 CASES_B = {

@@ -492,7 +492,7 @@ def build_train_loader(
     """`exclude_indices`: rows of the (first) dataset the loader must never yield (a held-out split)."""
     data = cfg.training.data
     path = data_path or data.data_path
-    dataset = LatentDataset(path, cfg_rate=data.training_cfg_rate, seed=data.seed)
+    dataset = LatentDataset(path, text_max_length=data.text_max_length, cfg_rate=data.training_cfg_rate, seed=data.seed)
     weights = None
     if data.mix:
         dataset, weights = _mix_datasets(dataset, data)
@@ -620,7 +620,8 @@ class ConcatLatentDataset(Dataset):
 
 def _mix_datasets(first: LatentDataset, data) -> tuple[ConcatLatentDataset, list[float]]:
     parts = [first] + [
-        LatentDataset(m["data_path"], cfg_rate=data.training_cfg_rate, seed=data.seed) for m in data.mix
+        LatentDataset(m["data_path"], text_max_length=data.text_max_length, cfg_rate=data.training_cfg_rate, seed=data.seed)
+        for m in data.mix
     ]
     # A dataset's weight is its share of the draws, spread over its samples.
     shares = [1.0] + [float(m.get("weight", 1.0)) for m in data.mix]
