@@ -1,7 +1,9 @@
-"""Bit-for-bit parity of the methods across refactors: for fixed seeds, every loss (as float.hex) and
-every sampled table index of a few steps equals the values recorded in tests/data/parity_golden.json
-(measured with the methods as they computed before the model contract moved the math into them).
-Same draw order: noise, then u, then chunk indices (then TFSFT's context noise)."""
+"""Parity of the methods across refactors: for fixed seeds, every sampled table index, timestep sum
+and noise sum of a few steps equals bit for bit the values recorded in tests/data/parity_golden.json
+(measured with the methods as they computed before the model contract moved the math into them), and
+every loss equals its recorded value (float.hex) to LOSS_RTOL: the loss goes through the model's
+matmuls, whose CPU kernels (AVX2, AVX-512) round differently in the last bits from one machine to
+another. Same draw order: noise, then u, then chunk indices (then TFSFT's context noise)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,15 @@ from fv_accel.methods import METHODS
 from fv_accel.models import build_student
 from conftest import TEST_SCALE
 from test_methods import fake_batch
+
+# A few float32 ulps differ between CPUs (8 ulps, 5e-7 relative, measured between two machines); a
+# change of the math moves the loss by far more.
+LOSS_RTOL = 1e-5
+
+
+def assert_loss(value: torch.Tensor, recorded: str) -> None:
+    got, want = float(value), float.fromhex(recorded)
+    assert abs(got - want) <= LOSS_RTOL * abs(want), (got.hex(), recorded)
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "parity_golden.json").read_text())
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -57,7 +68,7 @@ def test_losses_timesteps_and_noise_are_bit_identical(case):
     for it, expected in enumerate(GOLDEN["cases_a"][case]):
         loss_map, outputs, _ = method.single_train_step(fake_batch(seed=it), it)
         tb = outputs["training_batch"]
-        assert float(loss_map["total_loss"]).hex() == expected["loss"]
+        assert_loss(loss_map["total_loss"], expected["loss"])
         assert tb.timestep_indices.tolist() == expected["idx"]
         assert float(tb.timesteps.double().sum()).hex() == expected["t_sum"]
         assert float(tb.noise.double().sum()).hex() == expected["noise_sum"]
@@ -69,5 +80,5 @@ def test_causal_and_teacher_forcing_losses_are_bit_identical(case):
     method = build_method(load_config(CONFIGS / recipe, overrides))
     for it, expected in enumerate(GOLDEN["cases_b"][case]):
         loss_map, outputs, _ = method.single_train_step(fake_batch(seed=it), it)
-        assert float(loss_map["total_loss"]).hex() == expected["loss"]
+        assert_loss(loss_map["total_loss"], expected["loss"])
         assert outputs["training_batch"].timestep_indices.tolist() == expected["idx"]
