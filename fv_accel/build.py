@@ -512,10 +512,10 @@ def build_from_config(
     acc = accelerator or build_accelerator(cfg)
     logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     check_ema_supported(cfg, acc)
-    warn_single_cpu_thread(acc)
     from fv_accel.trainer import engine_steps_in_backward, resolve_nan_policy
 
     resolve_nan_policy(cfg, engine_steps_in_backward(acc), log=acc.is_main_process)  # nan_policy skip is refused under DeepSpeed
+    warn_single_cpu_thread(acc)
     if resume is not None:
         verify_resume_checkpoint(acc, resume, resume_meta)
     data_path = resolve_data_path(cfg, acc)

@@ -63,6 +63,6 @@ def test_short_text_length_reaches_batches_prompts_heldout_and_card(tmp_path, ti
 
     text = card_text(tmp_path, run.config, family=WanStudent, kind="wan", task="t2v", shift=3.0, data_size=8, steps=1)
     assert "- text embeddings padded to 16 tokens" in text and "max_sequence_length=16" in text
-    default = card_text(tmp_path, load_config(default_recipe("dfsft")), family=WanStudent, kind="wan", task="t2v",
+    default = card_text(tmp_path, load_config(default_recipe("dfsft"), {"training.data.text_max_length": 512}), family=WanStudent, kind="wan", task="t2v",
                         shift=3.0, data_size=8, steps=1)
     assert "padded to 512 tokens" in default and "max_sequence_length" not in default
