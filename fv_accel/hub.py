@@ -129,7 +129,9 @@ def card_text(
 
     lines += ["", "## Use it with diffusers", ""]
     lines += _diffusers_snippet(output_dir, where, family, kind, lora, base or st.init_from)
-    if data.text_max_length != 512:
+    from fv_accel.data.loader import TEXT_MAX_LENGTH
+
+    if data.text_max_length != TEXT_MAX_LENGTH:
         lines += ["", f"Trained on prompts padded to {data.text_max_length} tokens: sample with "
                   f"`pipe(..., max_sequence_length={data.text_max_length})`."]
     if (output_dir / "pytorch_lora_weights_comfyui.safetensors").is_file():
