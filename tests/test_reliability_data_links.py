@@ -177,10 +177,16 @@ def test_clips_in_linked_folders_are_found_and_bad_links_are_reported(tmp_path, 
         "real/again": "link_loop",
         "twice": "link_to_listed_folder",
     }
+    # Preprocessed (without the real folder's clip: one clip to encode is enough here), the clip
+    # in the linked folder is encoded and each bad link has its entry, the summary counting them.
+    (clips / "real" / "a.mp4").unlink()
     out = tmp_path / "out"
     sampling = FrameSampling(num_frames=(5,), buckets=((32, 32),))
     result = preprocess("tiny", str(clips), out, sampling, encoder=encoder, device=CPU)
-    assert (result.encoded, result.skipped) == (2, 4) and result.summary == "encoded 2, skipped 4 (see skipped.jsonl)"
+    assert (result.encoded, result.skipped) == (1, 4) and result.summary == "encoded 1, skipped 4 (see skipped.jsonl)"
+    import pyarrow.parquet as pq
+
+    assert [r["file_name"] for f in out.glob("data-*.parquet") for r in pq.read_table(f).to_pylist()] == ["linked/deeper/b.mp4"]
     skipped = {r["path"]: r for r in map(json.loads, (out / "skipped.jsonl").read_text().splitlines())}
     assert skipped["gone.mp4"] == {
         "path": "gone.mp4",
@@ -192,7 +198,7 @@ def test_clips_in_linked_folders_are_found_and_bad_links_are_reported(tmp_path, 
     assert skipped["twice"]["detail"] == "a link to the folder 'real', listed already: not followed"
     # A metadata file naming a dangling link says so too.
     meta = tmp_path / "meta.csv"
-    meta.write_text("video,caption\nclips/gone.mp4,x\nclips/real/a.mp4,y\n")
+    meta.write_text("video,caption\nclips/gone.mp4,x\nclips/linked/deeper/b.mp4,y\n")
     rows, _ = list_inputs(str(meta))
     assert [r.problem[0] if r.problem else None for r in rows] == ["dangling_link", None]
 
