@@ -540,7 +540,6 @@ def preprocess(
     if world_size > 1 and barrier is None:
         raise ValueError("preprocess: several processes need a barrier (e.g. PartialState().wait_for_everyone)")
     output = Path(output)
-    check_output_writable(output)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     clips, form = list_inputs(
@@ -569,6 +568,7 @@ def preprocess(
             f"frame counts must be {factor}k+1 (e.g. {factor + 1}, {2 * factor + 1}, {4 * factor + 1})"
         )
     fingerprint = settings_fingerprint(model, revision, sampling, dtype, TEXT_MAX_LENGTH, conditioning)
+    check_output_writable(output)  # after the checks of the input: a refused run creates no folder
     pending = output / PENDING_DIR
     pending.mkdir(parents=True, exist_ok=True)
     if rank == 0:

@@ -278,7 +278,8 @@ def test_preprocess_into_a_read_only_output_is_one_line(tmp_path, tiny_model_dir
         undo()
     assert sorted(p.name for p in locked.iterdir()) == []
     (tmp_path / "a_file").write_text("x")
-    assert main(["--model", "tiny", "--input", str(clips), "--output", str(tmp_path / "a_file")]) == 2
+    assert main(["--model", str(tiny_model_dir), "--input", str(clips), "--output", str(tmp_path / "a_file"),
+                 "--num_frames", "5", "--buckets", "32x32"]) == 2
     assert capsys.readouterr().err.strip() == f"error: --output {tmp_path / 'a_file'}: a file is there, not a folder"
 
 
