@@ -427,16 +427,17 @@ class HunyuanVideoStudent(DiffusersStudent):
         num_frames: int,
         num_inference_steps: int,
         guidance_scale: float,
-        shift: float,
+        scheduler: Any,
         generator: torch.Generator,
         first_frame: Any = None,
     ) -> Optional[torch.Tensor]:
         """Normalised latents [1, 16, T, h, w] from the stock HunyuanVideoPipeline around the live
-        transformer, prompt embeddings precomputed (no text encoders loaded). `guidance_scale` is the
-        pipeline's: the embedded guidance; `negative` is not used (no true classifier-free pass)."""
+        transformer with `scheduler`, prompt embeddings precomputed (no text encoders loaded).
+        `guidance_scale` is the pipeline's: the embedded guidance; `negative` is not used (no true
+        classifier-free pass)."""
         from diffusers import HunyuanVideoPipeline
 
-        from fv_accel.sampling import pipeline_latents, sampling_scheduler
+        from fv_accel.sampling import pipeline_latents
 
         del negative, first_frame
         pipe = HunyuanVideoPipeline(
@@ -444,7 +445,7 @@ class HunyuanVideoStudent(DiffusersStudent):
             tokenizer=None,
             transformer=self._unwrapped(),
             vae=vae,
-            scheduler=sampling_scheduler(shift),
+            scheduler=scheduler,
             text_encoder_2=None,
             tokenizer_2=None,
         )
