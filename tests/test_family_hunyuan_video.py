@@ -273,6 +273,12 @@ def test_finetune_saves_what_the_stock_pipeline_loads_and_samples_17_frames(hv_d
         comfy = load_file(str(out / "pytorch_lora_weights_comfyui.safetensors"))
         assert "diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight" in comfy
         assert "diffusion_model.single_blocks.0.linear1.lora_B.weight" in comfy
+        # `python -m fv_accel.export RUN --to comfyui` writes the same file as training did.
+        from fv_accel.export import main as export_main
+
+        export_main([str(out), "--to", "comfyui", "--out", str(tmp_path / "comfy")])
+        exported = load_file(str(tmp_path / "comfy" / "pytorch_lora_weights_comfyui.safetensors"))
+        assert exported.keys() == comfy.keys() and all(torch.equal(exported[k], comfy[k]) for k in comfy)
     else:
         pipe.transformer = HunyuanVideoTransformer3DModel.from_pretrained(out / "transformer")
         after = pipe.transformer.state_dict()
