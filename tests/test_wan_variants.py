@@ -78,6 +78,15 @@ def test_lora_finetune_loads_into_the_stock_pipeline_and_changes_its_weights(tmp
     assert changed, f"the LoRA changed no attention weight of {target}"
     if before_other is not None:
         assert all(torch.equal(v, getattr(pipe, other).state_dict()[k]) for k, v in before_other.items())
+    if target == "transformer_2":
+        # A low-noise expert's merged export: its LoRA on the base's low-noise expert, as transformer_2/.
+        from diffusers import WanTransformer3DModel
+
+        from fv_accel.export import main as export_main
+
+        export_main([str(lora_dir), "--to", "merged", "--out", str(tmp_path / "merged")])
+        merged = WanTransformer3DModel.from_pretrained(tmp_path / "merged", subfolder="transformer_2")
+        assert max(float((v - after[k]).abs().max()) for k, v in merged.state_dict().items()) <= 1e-6
 
 
 @pytest.mark.parametrize("name", VARIANTS)
