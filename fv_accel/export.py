@@ -11,6 +11,7 @@
 - `merged`: a LoRA run folded into its base -> `DIR/transformer/` (base from `--base`, else the
   run's `base_model.json` or checkpoint config).
 - A Wan 2.2 A14B run of both experts (`models.student.expert: both`) exports each expert:
+  `pytorch_lora_weights.safetensors` and `..._transformer_2.safetensors` (diffusers),
   `pytorch_lora_weights_comfyui_high_noise.safetensors` and `..._low_noise.safetensors`, and the
   merged `transformer/` (high noise) and `transformer_2/` (low noise), the repo's layout.
 
@@ -216,6 +217,8 @@ def export_diffusers(src: ExportSource, out: Path, stage: Stage = contextlib.nul
     from fv_accel.models.lora import read_lora_file
 
     out.mkdir(parents=True, exist_ok=True)
+    if src.kind == "lora" and src.base.get("expert") == "both":
+        return _export_expert_loras(src, out, stage)
     if src.kind == "lora":
         with stage("copying the LoRA"):
             _, metadata = read_lora_file(src.lora_file)  # validates layout and metadata
@@ -276,6 +279,24 @@ def _expert_loras(src: ExportSource) -> dict[Optional[str], tuple[dict, Optional
             )
         loras[name] = read_lora_file(path)
     return loras
+
+
+def _export_expert_loras(src: ExportSource, out: Path, stage: Stage) -> list[Path]:
+    """Both Wan 2.2 experts' LoRA files, as a run of both writes them (the low-noise one with the
+    `_transformer_2` suffix), from the run's files or a checkpoint's one file."""
+    from fv_accel.models.lora import save_diffusers_lora
+    from fv_accel.models.wan import LORA_FILE_SUFFIX
+
+    family = _family(src.base)
+    with stage("writing each expert's LoRA"):
+        written = []
+        for expert, (state, metadata) in _expert_loras(src).items():
+            if metadata is None:
+                raise ExportError(f"{src.lora_file}: no adapter metadata (alpha unknown)")
+            name = DIFFUSERS_LORA_FILE.replace(".safetensors", f"{LORA_FILE_SUFFIX[expert]}.safetensors")
+            pipeline_cls = family.lora_pipeline_class(src.base.get("model_class") or "wan")
+            written.append(save_diffusers_lora(out, state, metadata, pipeline_cls=pipeline_cls, weight_name=name))
+        return written
 
 
 def export_comfyui(src: ExportSource, out: Path, stage: Stage = contextlib.nullcontext) -> list[Path]:

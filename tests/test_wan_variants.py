@@ -265,14 +265,14 @@ def test_both_experts_lora_run_writes_one_file_per_expert_that_diffusers_loads(t
         exported = load_file(str(tmp_path / "comfy" / f"pytorch_lora_weights_comfyui_{expert}.safetensors"))
         written = load_file(str(out / f"pytorch_lora_weights_comfyui{trained}.safetensors"))
         assert exported.keys() == written.keys() and all(torch.equal(exported[k], written[k]) for k in written)
-    # The checkpoint's one file, split by expert into the two files diffusers loads.
-    state, metadata = read_lora_file(out / "checkpoint-1" / "pytorch_lora_weights.safetensors")
-    for expert, name in (("high_noise", "pytorch_lora_weights.safetensors"),
-                         ("low_noise", "pytorch_lora_weights_transformer_2.safetensors")):
-        part = {k[len(expert) + 1:]: v for k, v in state.items() if k.startswith(expert + ".")}
-        WanPipeline.save_lora_weights(tmp_path / "ckpt_split", transformer_lora_layers=part,
-                                      transformer_lora_adapter_metadata=metadata, weight_name=name)
-    for source, reference in ((out, pipe), (out / "checkpoint-1", fused_by_diffusers(model, tmp_path / "ckpt_split"))):
+    # A checkpoint's one file (keys prefixed by the expert) exports as the run's two diffusers files.
+    state, _ = read_lora_file(out / "checkpoint-1" / "pytorch_lora_weights.safetensors")
+    assert {k.split(".")[0] for k in state} == {"high_noise", "low_noise"}
+    export_main([str(out / "checkpoint-1"), "--to", "diffusers", "--out", str(tmp_path / "ckpt_lora")])
+    for expert, name in (("high_noise", ""), ("low_noise", "_transformer_2")):
+        part, _ = read_lora_file(tmp_path / "ckpt_lora" / f"pytorch_lora_weights{name}.safetensors")
+        assert len(part) == len(state) // 2 and all(torch.equal(v, state[f"{expert}.{k}"]) for k, v in part.items())
+    for source, reference in ((out, pipe), (out / "checkpoint-1", fused_by_diffusers(model, tmp_path / "ckpt_lora"))):
         dest = tmp_path / f"merged_{source.name}"
         export_main([str(source), "--to", "merged", "--out", str(dest)])
         merged = WanPipeline.from_pretrained(
