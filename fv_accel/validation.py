@@ -814,7 +814,7 @@ class VideoSamplingCallback(TrainerCallback):
             if clean:  # the condition frames stay the clean first frame at t = 0
                 x, t = x.clone(), t.clone()
                 x[:, :, :clean], t[:, :clean] = first, 0.0
-            # Whole-clip steps: every frame is at the same level, one timestep per sample.
+            # A student without per-frame timesteps samples whole clips only: one timestep per sample.
             return student.forward(x, t if per_frame else t[:, 0], cond)
 
         if chunk_size is None:
