@@ -545,12 +545,12 @@ def build_from_config(
     if acc.is_main_process:
         logger.info(
             "method %s | student %s (%s family) | training shift %s (models.student.flow_shift, else the family's) | sampling shift "
-            "%.3g (callbacks.validation.sampling_flow_shift) | %d processes | mixed precision %s",
+            "%s (callbacks.validation.sampling_flow_shift) | %d processes | mixed precision %s",
             cfg.method.name,
             type(student.transformer).__name__,
             student.family,
             student.describe_training_shift(),
-            cfg.callbacks.validation.sampling_flow_shift,
+            cfg.callbacks.validation.sampling_flow_shift or "the repo scheduler's",
             acc.num_processes,
             acc.mixed_precision,
         )

@@ -277,8 +277,14 @@ class ValidationConfig:
     negative_prompt: str = ""
     sampling_steps: int = 50
     guidance_scale: float = 5.0
-    # Sampling shift (FastVideo's pipeline.flow_shift), distinct from the training shift.
-    sampling_flow_shift: float = 3.0
+    # The scheduler sample videos step with: "repo", the class and config of the model repo's
+    # scheduler/scheduler_config.json (the repo the VAE comes from; Wan: UniPCMultistepScheduler),
+    # or "euler", FlowMatchEulerDiscreteScheduler at the same shift. The diffusion-forcing sampler
+    # (DFSFT students) steps each chunk with Euler either way (docs/validation-sampling.md).
+    scheduler: Literal["repo", "euler"] = "repo"
+    # Sampling shift (FastVideo's pipeline.flow_shift), distinct from the training shift
+    # (models.student.flow_shift). None: the repo scheduler's own; a number overrides it.
+    sampling_flow_shift: Optional[float] = None
     # None: the size of the first training clip.
     height: Optional[int] = None
     width: Optional[int] = None
@@ -605,8 +611,8 @@ def validate(cfg: RunConfig, source: str) -> None:
         raise bad("callbacks.validation.num_frames", val.num_frames, "a frame count of the form 4k+1")
     if val.guidance_scale < 0:
         raise bad("callbacks.validation.guidance_scale", val.guidance_scale, "a number >= 0")
-    if val.sampling_flow_shift <= 0:
-        raise bad("callbacks.validation.sampling_flow_shift", val.sampling_flow_shift, "a number > 0")
+    if val.sampling_flow_shift is not None and val.sampling_flow_shift <= 0:
+        raise bad("callbacks.validation.sampling_flow_shift", val.sampling_flow_shift, "a number > 0, or null (the repo scheduler's own)")
     if val.fps < 1:
         raise bad("callbacks.validation.fps", val.fps, "an integer >= 1")
     if val.distance_clips < 0:

@@ -384,21 +384,19 @@ class Cosmos2Student(DiffusersStudent):
         num_frames: int,
         num_inference_steps: int,
         guidance_scale: float,
-        shift: float,
+        scheduler: Any,
         generator: torch.Generator,
         first_frame: Optional[Any] = None,
     ) -> Optional[torch.Tensor]:
         """A sample through Cosmos2VideoToWorldPipeline around the live transformer, from
-        `first_frame` (uint8 [H, W, 3]); returns the normalised latents. The pipeline samples on its
-        own schedule (Karras EDM sigmas, the repo's scheduler config): `shift` does not apply. Its
-        safety checker is the pass-through stand-in, never consulted on this path (precomputed
-        prompt embeddings, latents out)."""
+        `first_frame` (uint8 [H, W, 3]), stepping with `scheduler` (by default the repo's: Karras EDM
+        sigmas); returns the normalised latents. Its safety checker is the pass-through stand-in,
+        never consulted on this path (precomputed prompt embeddings, latents out)."""
         from diffusers import Cosmos2VideoToWorldPipeline
         from PIL import Image
 
         from fv_accel.sampling import pipeline_latents
 
-        del shift
         if first_frame is None:
             raise ValueError("a Cosmos-Predict2 Video2World sample needs a first frame")
         pipe = Cosmos2VideoToWorldPipeline(
@@ -406,7 +404,7 @@ class Cosmos2Student(DiffusersStudent):
             tokenizer=None,
             transformer=self.transformer,
             vae=vae,
-            scheduler=self.sampling_scheduler(),
+            scheduler=scheduler,
             safety_checker=PassThroughSafetyChecker(),
         )
         return pipeline_latents(
@@ -422,10 +420,8 @@ class Cosmos2Student(DiffusersStudent):
             image=Image.fromarray(np.asarray(first_frame, dtype=np.uint8)),
         )
 
-    def sampling_scheduler(self) -> Any:
-        """The repo's scheduler (an inline config: the one diffusers' conversion writes)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        if self.scheduler_config is not None:
-            return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
-        return FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True)
+    @classmethod
+    def default_scheduler_config(cls) -> dict:
+        """The scheduler diffusers' Cosmos-Predict2 conversion writes (Karras EDM sigmas), for a
+        model folder without one."""
+        return {"_class_name": "FlowMatchEulerDiscreteScheduler", "use_karras_sigmas": True}

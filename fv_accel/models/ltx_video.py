@@ -432,27 +432,19 @@ class LTXVideoStudent(DiffusersStudent):
         num_frames: int,
         num_inference_steps: int,
         guidance_scale: float,
-        shift: float,
+        scheduler: Any,
         generator: torch.Generator,
         first_frame: Any = None,
     ) -> torch.Tensor:
-        """Normalised latents [1, C, T, h, w] through LTXPipeline around the live transformer, prompt
-        embeddings and masks precomputed. The repo's scheduler (resolution-dependent shift, terminal
-        stretch) when it has one; otherwise an Euler scheduler with the sampling `shift`."""
-        from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline
+        """Normalised latents [1, C, T, h, w] through LTXPipeline around the live transformer, stepping
+        with `scheduler` (by default the repo's: resolution-dependent shift, terminal stretch), prompt
+        embeddings and masks precomputed."""
+        from diffusers import LTXPipeline
 
-        from fv_accel.sampling import pipeline_latents, sampling_scheduler
+        from fv_accel.sampling import pipeline_latents
 
         if first_frame is not None:
             raise ValueError("the LTX-Video family samples text-to-video only (no first frame)")
-        config = self.scheduler_config
-        if config:
-            scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
-            if config.get("use_dynamic_shifting") and not getattr(self, "_told_shift", False):
-                logger.info("LTX-Video samples with its repo's resolution-dependent shift; the sampling shift %s is unused", shift)
-                self._told_shift = True
-        else:
-            scheduler = sampling_scheduler(shift)
         pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=self.transformer)
 
         def mask_of(c: Conditioning) -> torch.Tensor:

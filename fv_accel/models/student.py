@@ -11,7 +11,6 @@ repo's own scheduler config.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +19,7 @@ import torch
 from fv_accel.config import RunConfig, StudentConfig
 from fv_accel.models.base import ModelBase
 from fv_accel.models.loading import DTYPES, LOW_PRECISION, fetch_config, load_transformer
+from fv_accel.schedulers import scheduler_shift
 
 logger = logging.getLogger(__name__)
 
@@ -41,33 +41,6 @@ def build_family_transformer(
         return transformer, kind
     transformer = load_transformer(cfg, classes, class_to_kind, subfolder=subfolder)
     return transformer, class_to_kind[type(transformer).__name__]
-
-
-def calculate_shift(tokens: int, base_seq_len: int, max_seq_len: int, base_shift: float, max_shift: float) -> float:
-    """diffusers' `mu` of resolution-dependent shifting: linear in the token count."""
-    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    return tokens * slope + (base_shift - slope * base_seq_len)
-
-
-def scheduler_shift(config: dict, tokens: int) -> float:
-    """The static shift a flow-matching scheduler config applies to latents of `tokens` tokens.
-
-    With `use_dynamic_shifting`, diffusers maps sigma to exp(mu) / (exp(mu) + 1/sigma - 1) (the
-    exponential time shift), which is the static map shift * s / (1 + (shift - 1) * s) with
-    shift = exp(mu)."""
-    if config.get("use_dynamic_shifting"):
-        if config.get("time_shift_type", "exponential") != "exponential":
-            raise ValueError(f"scheduler time_shift_type {config.get('time_shift_type')!r} is not supported (exponential only)")
-        mu = calculate_shift(
-            tokens,
-            int(config.get("base_image_seq_len", 256)),
-            int(config.get("max_image_seq_len", 4096)),
-            float(config.get("base_shift", 0.5)),
-            float(config.get("max_shift", 1.15)),
-        )
-        return math.exp(mu)
-    shift = config.get("shift", config.get("flow_shift"))
-    return 1.0 if shift is None else float(shift)
 
 
 class DiffusersStudent(ModelBase):
@@ -213,6 +186,12 @@ class DiffusersStudent(ModelBase):
                     st.init_from, "scheduler", revision=st.revision, required=False, filename="scheduler_config.json"
                 )
         return self._scheduler_config
+
+    @classmethod
+    def default_scheduler_config(cls) -> dict:
+        """The scheduler config sample videos use when the model repo has none: Euler at the
+        family's default shift."""
+        return {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": cls.default_flow_shift}
 
     def tokens(self, latent_shape: torch.Size) -> int:
         pt, ph, pw = self.patch_size
