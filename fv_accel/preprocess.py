@@ -529,7 +529,7 @@ def preprocess(
         text = columns.pop("text_embedding")
         if conditioning != ("text",):
             columns.update(enc.encode_frames_conditioning(got.frames))
-        extra = {}
+        extra = caption_length_columns(enc, clip.caption.strip())
         for name, value in columns.items():
             extra.update(tensor_columns(name, value))
         stats.encode_seconds += time.perf_counter() - t
@@ -678,8 +678,50 @@ def _finish(
         preprocessing=sampling.to_dict(),
         num_rows=encoded,
         **conditioning_info(spec, conditioning),
+        **captions_cut_report(output, num_shards),
     )
     return PreprocessResult(encoded, len(skipped), newly, reused, 0.0, output, form, world_size)
+
+
+# Row columns (beside FastVideo's) recording a caption's token count before the text encoder's cut.
+CAPTION_TOKENS, CAPTION_TOKEN_LIMIT = "caption_tokens", "caption_token_limit"
+
+
+def caption_length_columns(encoder: Any, caption: str) -> dict:
+    """The caption's token count and the text encoder's limit, as row columns ({} where the family
+    does not count them)."""
+    count = getattr(encoder, "caption_tokens", None)
+    tokens = count(caption) if count is not None else None
+    if tokens is None:
+        return {}
+    return {CAPTION_TOKENS: int(tokens), CAPTION_TOKEN_LIMIT: int(encoder.text_max_length)}
+
+
+def captions_cut_report(output: Path, num_shards: int) -> dict:
+    """Captions the text encoder cut, read from the dataset's rows: logged, and returned as
+    fv_dataset.json's `captions_cut` (how many, the longest in tokens, the limit, the first names)."""
+    import pyarrow.parquet as pq
+
+    cut, counted = [], 0
+    for f in sorted(output.glob(f"data-*-of-{num_shards:05d}.parquet")):
+        if CAPTION_TOKENS not in pq.read_schema(f).names:
+            continue
+        table = pq.read_table(f, columns=["id", CAPTION_TOKENS, CAPTION_TOKEN_LIMIT]).to_pylist()
+        counted += sum(r[CAPTION_TOKENS] is not None for r in table)
+        cut += [r for r in table if r[CAPTION_TOKENS] is not None and r[CAPTION_TOKENS] > r[CAPTION_TOKEN_LIMIT]]
+    if not counted:
+        return {}
+    limit = max((r[CAPTION_TOKEN_LIMIT] for r in cut), default=None)
+    longest = max((r[CAPTION_TOKENS] for r in cut), default=None)
+    report = {"captions": len(cut), "counted": counted, "longest_tokens": longest, "limit": limit,
+              "first": [r["id"] for r in cut[:10]]}
+    if cut:
+        logger.warning(
+            "%d of %d caption(s) are longer than the text encoder's %d tokens and were cut there (the longest: %d tokens; "
+            "first: %s): their ends are not in the text embeddings; see captions_cut in %s",
+            len(cut), counted, limit, longest, ", ".join(report["first"][:3]), output / DATASET_INFO,
+        )
+    return {"captions_cut": report}
 
 
 def conditioning_info(spec: Any, conditioning: Sequence[str]) -> dict:
