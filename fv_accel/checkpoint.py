@@ -483,7 +483,8 @@ def check_resume_compatible(meta: dict, method: Any, cfg: Any, ckpt: str | Path)
     is refused unless `training.checkpoint.allow_recipe_change`; a new optimizer then starts with
     fresh state. Every other change takes effect from the next step: the loop, loader and callbacks
     are built from this recipe, and `apply_optimizer_recipe` puts its learning rate, schedule and
-    optimizer settings into the restored optimizer and LR scheduler.
+    optimizer settings into the restored optimizer and LR scheduler. A new `max_train_steps` (a finished
+    run extended) is logged with what it does to the LR schedule (`fv_accel.optim.schedule_length_change`).
     Returns the changes (`{"key", "old", "new"}`), which the next checkpoints record."""
     math_lines, changes = recipe_changes(meta, method, cfg)
     if math_lines and not cfg.training.checkpoint.allow_recipe_change:

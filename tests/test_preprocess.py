@@ -233,7 +233,10 @@ class _StopAfter:
 
     def __init__(self, encoder, limit: int):
         self.encoder, self.limit, self.calls = encoder, limit, 0
-        self.vae = encoder.vae
+        self.vae, self.text_max_length = encoder.vae, encoder.text_max_length
+
+    def caption_tokens(self, caption):
+        return self.encoder.caption_tokens(caption)
 
     def encode_video(self, frames):
         self.calls += 1
@@ -384,3 +387,9 @@ def test_a_caption_cut_to_the_text_length_is_counted_and_reported(encoder, tmp_p
     assert info["captions_cut"] == {"captions": 1, "counted": 2, "longest_tokens": tokens, "limit": 512, "first": ["long.png"]}
     rows = {r["id"]: r for r in _rows(tmp_path / "out")}
     assert rows["long.png"]["text_embedding_shape"][0] == 512  # what the encoder kept
+    # A rerun reuses both rows without encoding them and reports the same.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fv_accel.preprocess"):
+        again = preprocess("tiny", str(clips), tmp_path / "out", FrameSampling(num_frames=(5,), buckets=((32, 32),)), encoder=encoder, device=CPU)
+    assert again.reused == 2 and "1 of 2 caption(s) are longer" in caplog.text
+    assert json.loads((tmp_path / "out" / "fv_dataset.json").read_text())["captions_cut"] == info["captions_cut"]

@@ -400,9 +400,9 @@ def test_what_a_killed_save_left_is_removed_at_the_next_start(tmp_path, latent_d
 
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory, latent_data):
-    """A run with checkpoints at steps 2 and 4 (EMA on); tests damage copies of it."""
+    """A run with checkpoints at steps 2 and 4, its last (EMA on); tests damage copies of it."""
     out = tmp_path_factory.mktemp("integrity") / "out"
-    over = small_overrides(out, latent_data, **{"training.loop.max_train_steps": 5, "training.checkpoint.training_state_checkpointing_steps": 2})
+    over = small_overrides(out, latent_data, **{"training.loop.max_train_steps": 4, "training.checkpoint.training_state_checkpointing_steps": 2})
     Trainer(build("finetune", over)).run()
     reset_accelerate()
     meta = read_metadata(out / "checkpoint-4")
@@ -574,7 +574,7 @@ def test_export_defaults_to_the_runs_exports_folder_which_pruning_keeps(tmp_path
         export_main([str(out / "checkpoint-2"), "--to", "diffusers", "--out", str(out / "checkpoint-2" / "mine")])
     # Training on with a limit of 1 checkpoint deletes checkpoint-2, not the export.
     Trainer(build("finetune", {**over, "training.loop.max_train_steps": 5, "training.checkpoint.resume_from_checkpoint": "latest"})).run()
-    assert not (out / "checkpoint-2").exists() and (out / "checkpoint-4").is_dir()
+    assert not (out / "checkpoint-2").exists() and (out / "checkpoint-5").is_dir()
     assert (target / "diffusion_pytorch_model.safetensors").is_file()
     capsys.readouterr()
     export_main([str(out), "--to", "diffusers"])

@@ -167,3 +167,18 @@ def test_transformer_config_class_name_picks_the_family_or_is_refused_in_one_lin
         "models.student.transformer_config._class_name: 'WanTransformer3DModl' is not a transformer class fv_accel "
         "trains; supported: "
     ) and "WanTransformer3DModel" in text, text
+
+
+def test_a_wrong_class_name_in_a_model_folders_config_is_one_line_naming_the_file(tmp_path, latent_data):
+    from fv_accel.models.loading import ModelLoadError
+
+    model = tmp_path / "model"
+    (model / "transformer").mkdir(parents=True)
+    (model / "transformer" / "config.json").write_text(json.dumps({**SMALL_TRANSFORMER, "_class_name": "WanTransformer3DModl"}))
+    over = small_overrides(tmp_path / "out", latent_data, **{"models.student.init_from": str(model),
+                                                              "models.student.transformer_config": None})
+    text = build_fails("finetune", over, ModelLoadError, "")
+    assert text.startswith(
+        f"model '{model}': transformer/config.json names transformer class 'WanTransformer3DModl' (_class_name), which is "
+        "not supported; supported: "
+    ), text

@@ -53,8 +53,8 @@ def family_of(cfg) -> type:
     if family is None:
         supported = sorted(n for f in FAMILIES.values() for n in f.transformer_class_names())
         raise ModelLoadError(
-            f"model '{st.init_from}': transformer class {class_name!r} is not supported; "
-            f"supported: {', '.join(supported)} (or set models.student.model_class)"
+            f"model '{st.init_from}': {st.subfolder or '.'}/config.json names transformer class {class_name!r} "
+            f"(_class_name), which is not supported; supported: {', '.join(supported)} (or set models.student.model_class)"
         )
     return family
 
