@@ -428,8 +428,6 @@ def _flip_a_bit(path: Path) -> None:
 def _edit_metadata(path: Path, *, reseal: bool = False, **changes) -> None:
     """Change metadata.json's keys (None deletes one); `reseal` records the new contents' sha256 in it,
     as a save that wrote wrong values would have."""
-    from fv_accel.checkpoint import METADATA_CHECKSUM_KEY, metadata_checksum
-
     meta = json.loads(path.read_text())
     for key, value in changes.items():
         if value is None:
@@ -437,6 +435,8 @@ def _edit_metadata(path: Path, *, reseal: bool = False, **changes) -> None:
         else:
             meta[key] = value
     if reseal:
+        from fv_accel.checkpoint import METADATA_CHECKSUM_KEY, metadata_checksum
+
         meta[METADATA_CHECKSUM_KEY] = metadata_checksum(meta)
     path.write_text(json.dumps(meta))
 

@@ -18,7 +18,9 @@ from fv_accel.trainer import Trainer
 from tests.resume_helpers import build, ema_shadow, reset_accelerate, small_overrides, weights, write_latent_dataset
 
 # A schedule whose shape does not depend on the run's length: extending a run is exactly a longer run.
-LENGTH_FREE = {"training.optimizer.lr_scheduler": "constant_with_warmup", "training.optimizer.lr_warmup_steps": 3}
+# (One micro-batch a step: the test is about the schedule and the state, not accumulation.)
+LENGTH_FREE = {"training.optimizer.lr_scheduler": "constant_with_warmup", "training.optimizer.lr_warmup_steps": 3,
+               "training.loop.gradient_accumulation_steps": 1}
 
 
 def small(out: Path, data: str, **extra) -> dict:
