@@ -487,6 +487,8 @@ def build_from_config(
 
     from fv_accel.checkpoint import (
         check_resume_compatible,
+        check_resume_data,
+        check_resume_engine,
         load_checkpoint,
         read_metadata,
         resolve_resume,
@@ -510,6 +512,8 @@ def build_from_config(
     check_output_dir(ck.output_dir, resume, overwrite=ck.overwrite_output_dir, latest=latest, warn=False)
     resume_meta = read_metadata(resume) if resume is not None else None
     acc = accelerator or build_accelerator(cfg)
+    if resume_meta is not None:
+        check_resume_engine(acc, cfg, resume, resume_meta)  # another engine's layout: one line, before any load
     logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     check_ema_supported(cfg, acc)
     from fv_accel.trainer import engine_steps_in_backward, resolve_nan_policy
@@ -541,7 +545,10 @@ def build_from_config(
     )
     check_data_fits_model(loader.dataset, student, method)
     check_latent_stats(student, cfg, data_path)
-    changes = check_resume_compatible(resume_meta, method, cfg, resume) if resume_meta is not None else []
+    changes = (
+        check_resume_compatible(resume_meta, method, cfg, resume) + check_resume_data(resume_meta, loader.dataset, cfg, resume)
+        if resume_meta is not None else []
+    )
     if acc.is_main_process:
         logger.info(
             "method %s | student %s (%s family) | training shift %s (models.student.flow_shift, else the family's) | sampling shift "

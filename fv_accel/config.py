@@ -695,7 +695,7 @@ def _parse_override_value(text: str, dotted: str = "") -> Any:
     if takes_text:
         return None if optional and text.strip() in ("null", "Null", "NULL", "~", "") else text
     try:
-        return yaml.safe_load(text)
+        return load_recipe_yaml(text, f"command line --{dotted}" if dotted else "command line")
     except yaml.YAMLError:
         return text
 
@@ -767,12 +767,127 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"{path}: recipe file not found")
     with open(path, encoding="utf-8") as fh:
         try:
-            data = yaml.safe_load(fh) or {}
+            data = load_recipe_yaml(fh, str(path)) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the recipe must be a mapping of sections")
     return data
+
+
+# Anchors and aliases stay allowed in recipes (a block shared by two sections, `<<: *defaults`),
+# but what they add when expanded is bounded: a recipe is a few hundred nodes, and an alias bomb
+# (9 aliases of 9 aliases of ...) is billions. Counted on PyYAML's node graph, where an alias is
+# the anchored node itself, before anything is constructed.
+MAX_ALIAS_EXPANSION = 10_000
+YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that keeps the document's anchors (name -> node) after composing it,
+    so that a refused alias can be named."""
+
+    def compose_document(self) -> Any:
+        self.get_event()  # the document start
+        node = self.compose_node(None, None)
+        self.get_event()  # the document end
+        self.recipe_anchors = dict(self.anchors)
+        self.anchors = {}
+        return node
+
+
+def load_recipe_yaml(stream: Any, source: str) -> Any:
+    """`yaml.safe_load` for recipes: a key repeated in one mapping and aliases that expand beyond
+    MAX_ALIAS_EXPANSION nodes are a ConfigError naming `source` and the line, raised on the
+    composed node graph, before any alias is expanded."""
+    loader = _RecipeLoader(stream)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        check_yaml_nodes(node, source, getattr(loader, "recipe_anchors", {}))
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def check_yaml_nodes(root: yaml.Node, source: str, anchors: dict[str, yaml.Node]) -> None:
+    _check_alias_expansion(root, source, anchors)
+    _check_duplicate_keys(root, source)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_alias_expansion(root: yaml.Node, source: str, anchors: dict[str, yaml.Node]) -> None:
+    """Count the nodes of the expanded document with one visit per distinct node (sizes memoised
+    by node identity); refuse a recursive alias or an expansion beyond MAX_ALIAS_EXPANSION."""
+    sizes: dict[int, int] = {}
+    visiting: set[int] = set()
+    names = {id(node): name for name, node in anchors.items()}
+
+    def where(node: yaml.Node) -> str:
+        name = names.get(id(node))
+        return f"the anchor &{name} at line {node.start_mark.line + 1}" if name else f"line {node.start_mark.line + 1}"
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in visiting:
+            raise ConfigError(f"{source}: {where(node)} refers to itself through an alias (a recursive structure); recipes cannot hold one")
+        visiting.add(key)
+        total = 1 + sum(size(child) for child in _children(node))  # as deep as PyYAML's own composer went
+        visiting.discard(key)
+        sizes[key] = total
+        return total
+
+    expanded = size(root)
+    added = expanded - len(sizes)
+    if added > MAX_ALIAS_EXPANSION:
+        biggest = max((n for n in anchors.values() if id(n) in sizes), key=lambda n: sizes[id(n)], default=root)
+        raise ConfigError(
+            f"{source}: its aliases expand the recipe to {expanded:,} YAML nodes ({added:,} added by aliases, more than "
+            f"the {MAX_ALIAS_EXPANSION:,} allowed; the largest is {where(biggest)}, {sizes[id(biggest)]:,} nodes); "
+            "refused before expanding it: write the values out or share fewer of them"
+        )
+
+
+def _check_duplicate_keys(root: yaml.Node, source: str) -> None:
+    """A key given twice in one mapping (a second `training:` section, a repeated leaf key), which
+    YAML loaders resolve by silently keeping the last one. Merge keys (`<<`) are not duplicates."""
+    seen_nodes: set[int] = set()
+    todo: list[tuple[yaml.Node, str]] = [(root, "")]
+    while todo:
+        node, path = todo.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            todo += [(child, f"{path}[{i}]") for i, child in enumerate(node.value)]
+            continue
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        first_line: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != YAML_MERGE_TAG:
+                key = (key_node.tag, key_node.value)
+                dotted = f"{path}.{key_node.value}" if path else str(key_node.value)
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    raise ConfigError(
+                        f"{source}: line {line}: key '{dotted}' is given a second time (first at line {first_line[key]}); "
+                        "YAML would keep only the last one: merge the two into one"
+                    )
+                first_line[key] = line
+                todo.append((value_node, dotted))
+            else:
+                todo.append((value_node, path))
 
 
 def _deep_copy(data: Any) -> Any:

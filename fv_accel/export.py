@@ -30,6 +30,12 @@ Without `--out` the export goes to the run's output folder, never into a checkpo
 `checkpoints_total_limit` deletes with everything in it): `<output_dir>/exports/<checkpoint-N>_<to>`
 for a checkpoint, `<output_dir>/exports/final_<to>` for a run's final weights, and
 `<folder>/exports/<file name>_<to>` for a LoRA file elsewhere.
+
+Every target writes into `<out>.partial/` and what it wrote is renamed into `<out>` once complete
+(the whole folder when `<out>` does not exist yet, else each entry, replacing the one of an earlier
+export), so an export killed at any point leaves no folder that looks complete. A failed export
+removes its partial folder; a killed one leaves it, and the next export to the same `<out>` names
+it and removes it (unless the export that writes it still runs).
 """
 
 from __future__ import annotations
@@ -400,6 +406,90 @@ def default_export_dir(src: ExportSource, to: str) -> Path:
     return src.path / "exports" / f"final_{to}"
 
 
+PARTIAL_SUFFIX = ".partial"
+# In a partial export folder: the process writing it (fv_accel.output_dir.process_record).
+PARTIAL_OWNER = ".fv_export_owner.json"
+
+
+def partial_export_dir(out: Path) -> Path:
+    return out.with_name(out.name + PARTIAL_SUFFIX)
+
+
+def remove_partial_export(partial: Path) -> None:
+    """Remove what an interrupted export to the same folder left, naming it on stderr; refuse if the
+    export writing it still runs."""
+    import sys
+
+    from fv_accel.output_dir import process_ended
+
+    if not partial.exists():
+        return
+    try:
+        owner = json.loads((partial / PARTIAL_OWNER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        owner = {}
+    if owner and process_ended(owner) is None:
+        raise ExportError(
+            f"{partial} is being written by another export (pid {owner.get('pid')} on {owner.get('hostname')}, started "
+            f"{owner.get('started')}); wait for it to end, or export to another --out"
+        )
+    sys.stderr.write(f"removing {partial}: the partial export an interrupted export left\n")
+    shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
+
+
+def publish_export(partial: Path, out: Path, written: list[Path]) -> list[Path]:
+    """Move a finished export from `partial` into `out`: one rename of the folder when `out` does not
+    exist, else one rename per entry (an earlier export's entry of the same name is replaced)."""
+    from fv_accel.checkpoint import fsync_dir
+
+    moved = [out / p.relative_to(partial) for p in written]
+    if not out.exists():
+        partial.rename(out)
+    else:
+        for entry in sorted(partial.iterdir()):
+            target = out / entry.name
+            old = out / f".{entry.name}.old"
+            if old.exists():
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+            if target.exists() or target.is_symlink():
+                target.rename(old)
+            entry.rename(target)
+            if old.exists():
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        partial.rmdir()
+    fsync_dir(out.parent)
+    return moved
+
+
+def write_export_atomically(out: Path, write: Callable[[Path], list[Path]]) -> list[Path]:
+    """Run one export target (`write(folder) -> written paths`) into `<out>.partial/` and publish it."""
+    from fv_accel.checkpoint import fsync_tree
+    from fv_accel.output_dir import process_record
+
+    partial = partial_export_dir(out)
+    remove_partial_export(partial)
+    try:
+        partial.mkdir(parents=True)
+        (partial / PARTIAL_OWNER).write_text(json.dumps(process_record()) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise ExportError(f"cannot write the export {out}: {partial}: {err.strerror or err}") from None
+    try:
+        written = write(partial)
+        (partial / PARTIAL_OWNER).unlink()
+        fsync_tree(partial)
+        return publish_export(partial, out, written)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _unreadable_source(src: ExportSource, err: Exception) -> ExportError:
+    from fv_accel.checkpoint import first_line
+
+    weights = src.lora_file or src.checkpoint_weights or src.path
+    return ExportError(f"{weights}: not a readable safetensors file ({type(err).__name__}{first_line(err, ': ')})")
+
+
 def export(path: str | Path, to: str, out: Optional[str | Path] = None, *, base: Optional[str] = None, dtype: Optional[str] = None) -> list[Path]:
     if to not in TARGETS:
         raise ExportError(f"--to {to!r}: expected one of {', '.join(TARGETS)}")
@@ -412,12 +502,20 @@ def export(path: str | Path, to: str, out: Optional[str | Path] = None, *, base:
         )
     out_dir = Path(out) if out is not None else default_export_dir(src, to)
     progress = ExportProgress(to, stage_count(src, to))
-    try:
+
+    def write(folder: Path) -> list[Path]:
         if to == "diffusers":
-            return export_diffusers(src, out_dir, progress.stage)
+            return export_diffusers(src, folder, progress.stage)
         if to == "comfyui":
-            return export_comfyui(src, out_dir, progress.stage)
-        return export_merged(src, out_dir, base=base, dtype=dtype, stage=progress.stage)
+            return export_comfyui(src, folder, progress.stage)
+        return export_merged(src, folder, base=base, dtype=dtype, stage=progress.stage)
+
+    from safetensors import SafetensorError
+
+    try:
+        return write_export_atomically(out_dir, write)
+    except SafetensorError as err:  # a source whose header lies about its tensors
+        raise _unreadable_source(src, err) from None
     finally:
         progress.close()
 
@@ -443,7 +541,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     try:
         written = export(args.source, args.to, args.out, base=args.base, dtype=args.dtype)
-    except (ExportError, ModelLoadError, FileNotFoundError, ValueError) as err:
+    except (ExportError, ModelLoadError, OSError, ValueError) as err:
         raise SystemExit(f"export failed: {err}") from None
     for path in written:
         print(f"wrote {path}")

@@ -596,6 +596,7 @@ def preprocess(
         text = columns.pop("text_embedding")
         if conditioning != ("text",):
             columns.update(enc.encode_frames_conditioning(got.frames))
+        note_caption_length(pending / f"{CAPTION_TOKENS_PENDING}{rank}.jsonl", key, enc, clip.caption.strip())
         extra = {}
         for name, value in columns.items():
             extra.update(tensor_columns(name, value))
@@ -735,6 +736,7 @@ def _finish(
             encoded += pq.read_metadata(f).num_rows
         elif m:
             f.unlink()
+    captions_cut = captions_cut_report(output, pending, num_shards)
     for f in pending.iterdir():
         f.unlink()
     pending.rmdir()
@@ -745,8 +747,71 @@ def _finish(
         preprocessing=sampling.to_dict(),
         num_rows=encoded,
         **conditioning_info(spec, conditioning),
+        **captions_cut,
     )
     return PreprocessResult(encoded, len(skipped), newly, reused, 0.0, output, form, world_size)
+
+
+# Each caption's token count before the text encoder's cut, by row key: appended per encoded clip
+# (per process, in the pending folder, so that an interrupted run keeps them), and kept with the
+# dataset for later reruns, which reuse rows without encoding them.
+CAPTION_TOKENS_PENDING = "caption-tokens-r"
+CAPTION_TOKENS_FILE = "caption_tokens.jsonl"
+
+
+def note_caption_length(path: Path, key: str, encoder: Any, caption: str) -> None:
+    """Append the caption's token count and the text encoder's limit (where the family counts them)."""
+    count = getattr(encoder, "caption_tokens", None)
+    tokens = count(caption) if count is not None else None
+    if tokens is not None:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"key": key, "tokens": int(tokens), "limit": int(encoder.text_max_length)}) + "\n")
+
+
+def _read_caption_lengths(paths: Sequence[Path]) -> dict[str, dict]:
+    found: dict[str, dict] = {}
+    for path in paths:
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(line)
+                    found[entry["key"]] = {"tokens": int(entry["tokens"]), "limit": int(entry["limit"])}
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by a kill
+    return found
+
+
+def captions_cut_report(output: Path, pending: Path, num_shards: int) -> dict:
+    """Captions the text encoder cut among the dataset's rows: logged, written to CAPTION_TOKENS_FILE
+    (the counts of every row's caption), and returned as fv_dataset.json's `captions_cut` (how many,
+    the longest in tokens, the limit, the first names); {} where no caption was counted."""
+    import pyarrow.parquet as pq
+
+    lengths = _read_caption_lengths([output / CAPTION_TOKENS_FILE, *sorted(pending.glob(f"{CAPTION_TOKENS_PENDING}*.jsonl"))])
+    rows = []
+    for f in sorted(output.glob(f"data-*-of-{num_shards:05d}.parquet")):
+        rows += pq.read_table(f, columns=["id", "fv_key"]).to_pylist()
+    counted = [(r["id"], r["fv_key"], lengths[r["fv_key"]]) for r in rows if r["fv_key"] in lengths]
+    tmp = output / f".{CAPTION_TOKENS_FILE}.tmp"
+    tmp.write_text("".join(json.dumps({"key": k, **entry}) + "\n" for _, k, entry in counted), encoding="utf-8")
+    tmp.replace(output / CAPTION_TOKENS_FILE)
+    if not counted:
+        return {}
+    cut = [(name, entry) for name, _, entry in counted if entry["tokens"] > entry["limit"]]
+    report = {
+        "captions": len(cut),
+        "counted": len(counted),
+        "longest_tokens": max((e["tokens"] for _, e in cut), default=None),
+        "limit": max((e["limit"] for _, e in cut), default=None),
+        "first": [name for name, _ in cut[:10]],
+    }
+    if cut:
+        logger.warning(
+            "%d of %d caption(s) are longer than the text encoder's %d tokens and were cut there (the longest: %d tokens; "
+            "first: %s): their ends are not in the text embeddings; see captions_cut in %s",
+            len(cut), len(counted), report["limit"], report["longest_tokens"], ", ".join(report["first"][:3]), output / DATASET_INFO,
+        )
+    return {"captions_cut": report}
 
 
 def conditioning_info(spec: Any, conditioning: Sequence[str]) -> dict:

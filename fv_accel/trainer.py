@@ -174,6 +174,11 @@ class Trainer:
             self.last_checkpoint = save_checkpoint(self, self.step)
         return self.last_checkpoint
 
+    def _checkpoint_due(self, every: int, max_steps: int) -> bool:
+        """Checkpointing on (`every` > 0): every `every` steps, and at the last step, so that a finished
+        run can be extended (`--max_train_steps M --resume_from_checkpoint latest`)."""
+        return every > 0 and (self.step % every == 0 or self.step == max_steps)
+
     # ---- preemption: SIGTERM/SIGINT stop at the next step boundary with a checkpoint ----
     def _install_signal_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
@@ -270,22 +275,30 @@ class Trainer:
         norm = torch.as_tensor(grad_norm if norm_checked else 0.0, dtype=torch.float32, device=loss_bad.device)
         norm_bad = ~torch.isfinite(norm)
         stop = torch.tensor(1.0 if self._stop_signal is not None else 0.0, device=norm.device)
-        packed = torch.stack([loss_bad.float(), norm_bad.float(), stop, torch.where(norm_bad, 0.0, norm)]).to(acc.device)
+        # The lowest and highest process whose loss is non-finite, through the same maximum.
+        rank, world = acc.process_index if acc.num_processes > 1 else 0, acc.num_processes
+        lowest, highest = (loss_bad.float() * (world - rank)).to(norm.device), (loss_bad.float() * (rank + 1)).to(norm.device)
+        packed = torch.stack([loss_bad.float(), norm_bad.float(), stop, torch.where(norm_bad, 0.0, norm), lowest, highest]).to(acc.device)
         if acc.num_processes > 1:
             import torch.distributed as dist
 
             dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-        loss_flag, norm_flag, stop_flag, self._norm_value = packed.tolist()
+        loss_flag, norm_flag, stop_flag, self._norm_value, lowest_code, highest_code = packed.tolist()
         self._stop_agreed = self._stop_agreed or stop_flag > 0
         if not (loss_flag > 0 or norm_flag > 0):
             return None
         losses = [float(l) for l, _ in micro]
         timesteps = [None if t is None else [round(v, 2) for v in t.detach().float().flatten().tolist()] for _, t in micro]
         what = "loss" if loss_flag > 0 else "gradient norm"
-        return (
-            f"non-finite {what} at step {step}: loss={float(loss):.6g} (micro-batches {losses}), "
-            f"grad_norm={float(norm) if norm_checked else None}, timesteps={timesteps}"
-        )
+        head, values = f"non-finite {what} at step {step}", f"loss={float(loss):.6g} (micro-batches {losses})"
+        if loss_flag > 0 and world > 1:
+            first, last = world - int(lowest_code), int(highest_code) - 1
+            if bool(loss_bad):
+                head += f" on this process ({rank})"
+            else:
+                others = f" (and others, up to process {last})" if last != first else ""
+                head += f" on process {first}{others}; this process ({rank}) has a finite loss"
+        return f"{head}: {values}, grad_norm={float(norm) if norm_checked else None}, timesteps={timesteps}"
 
     # ---- checkpoint hooks for callbacks ----
     def extra_state_tensors(self) -> dict[str, torch.Tensor]:
@@ -629,7 +642,7 @@ class Trainer:
                 )
             for cb in self.callbacks:
                 cb.on_step_end(self, self.step, logs)
-            if ckpt_every and self.step % ckpt_every == 0 and self.step < max_steps:
+            if self._checkpoint_due(ckpt_every, max_steps):
                 self.save_checkpoint()
             stop_reason = None
             if fault is not None and nan_policy == "stop":

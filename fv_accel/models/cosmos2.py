@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from diffusers import CosmosTransformer3DModel
 
 from fv_accel.models.base import Capabilities, Conditioning, register_family
-from fv_accel.models.encoders import TEXT, EncodingSpec, FamilyEncoder
+from fv_accel.models.encoders import TEXT, TEXT_MAX_LENGTH, EncodingSpec, FamilyEncoder
 from fv_accel.models.student import DiffusersStudent
 
 
@@ -218,6 +218,8 @@ def cosmos2_original_module_name(module: str) -> str:
 class Cosmos2Encoder(FamilyEncoder):
     """The Wan 2.1 VAE and T5 encoder of a Cosmos-Predict2 repo, in eval mode, no grad."""
 
+    text_max_length = TEXT_MAX_LENGTH  # the pipeline's max_sequence_length
+
     def __init__(self, model: str, *, device=None, dtype=torch.float32, revision=None, vae_tiling=False, spec=None):
         from transformers import T5EncoderModel
 
@@ -243,8 +245,6 @@ class Cosmos2Encoder(FamilyEncoder):
     def encode_caption(self, caption: str) -> dict[str, torch.Tensor]:
         """The T5 hidden states of the caption's real tokens, as the pipeline's `_get_t5_prompt_embeds`
         computes them (512-token padding, attention mask; the padded rows, zeros there, are the loader's)."""
-        from fv_accel.models.encoders import TEXT_MAX_LENGTH
-
         tok = self.tokenizer(
             [caption], padding="max_length", max_length=TEXT_MAX_LENGTH, truncation=True, return_tensors="pt"
         )

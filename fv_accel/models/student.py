@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from fv_accel.config import RunConfig, StudentConfig
+from fv_accel.config import ConfigError, RunConfig, StudentConfig
 from fv_accel.models.base import ModelBase
 from fv_accel.models.loading import DTYPES, LOW_PRECISION, fetch_config, load_transformer
 from fv_accel.schedulers import scheduler_shift
@@ -34,13 +34,49 @@ def build_family_transformer(
     classes = family.transformer_classes
     class_to_kind = {cls.__name__: kind for kind, cls in classes.items()}
     if cfg.init_from is None:
-        kind = next(iter(classes)) if cfg.model_class == "auto" else cfg.model_class
-        transformer = classes[kind](**dict(cfg.transformer_config or {}))
+        kind = inline_transformer_kind(classes, cfg)
+        transformer = classes[kind](**inline_transformer_kwargs(classes[kind], cfg.transformer_config or {}))
         if cfg.torch_dtype != "float32":
             transformer = transformer.to(DTYPES[cfg.torch_dtype])
         return transformer, kind
     transformer = load_transformer(cfg, classes, class_to_kind, subfolder=subfolder)
     return transformer, class_to_kind[type(transformer).__name__]
+
+
+def inline_transformer_kind(classes: dict[str, type], cfg: StudentConfig) -> str:
+    """The kind (model_class) an inline `transformer_config` builds: `model_class`, else the class its
+    `_class_name` names (a pasted config.json), else the family's first; a `_class_name` the family
+    has no class for is a ConfigError of one line."""
+    named = (cfg.transformer_config or {}).get("_class_name")
+    by_name = {c.__name__: kind for kind, c in classes.items()}
+    kind = cfg.model_class if cfg.model_class != "auto" else by_name.get(named, next(iter(classes)))
+    if named is not None and classes[kind].__name__ != named:
+        raise ConfigError(
+            f"models.student.transformer_config._class_name: {named!r}, but models.student.model_class "
+            f"{cfg.model_class!r} builds {classes[kind].__name__}: remove one of the two or make them agree"
+        )
+    return kind
+
+
+def inline_transformer_kwargs(cls: type, config: dict) -> dict:
+    """An inline `transformer_config` as keyword arguments of `cls`: keys starting with "_" (a
+    pasted config.json's `_class_name`, `_diffusers_version`) are dropped, as diffusers' from_config
+    does; any other key that `cls.__init__` does not take is a ConfigError naming it and the class."""
+    import difflib
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return {k: v for k, v in config.items() if not str(k).startswith("_")}
+    known = sorted(name for name in params if name != "self")
+    for key in config:
+        if not str(key).startswith("_") and key not in params:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"models.student.transformer_config: unknown key {key!r} for {cls.__name__}{hint}; its keys: {', '.join(known)}"
+            )
+    return {k: v for k, v in config.items() if not str(k).startswith("_")}
 
 
 class DiffusersStudent(ModelBase):
