@@ -306,7 +306,7 @@ def _export_expert_loras(src: ExportSource, out: Path, stage: Stage) -> list[Pat
 
 
 def export_comfyui(src: ExportSource, out: Path, stage: Stage = contextlib.nullcontext) -> list[Path]:
-    from safetensors.torch import save_file
+    from fv_accel.models.lora import save_comfyui_file
 
     if src.kind != "lora":
         raise ExportError(
@@ -324,9 +324,7 @@ def export_comfyui(src: ExportSource, out: Path, stage: Stage = contextlib.nullc
                 )
             # One expert of a run of both is named after it; a single expert keeps the run's file name.
             name = COMFYUI_LORA_FILE if len(loras) == 1 else COMFYUI_LORA_FILE.replace(".safetensors", f"_{expert}.safetensors")
-            out.mkdir(parents=True, exist_ok=True)
-            save_file(comfy, str(out / name), metadata={"format": "pt"})
-            written.append(out / name)
+            written.append(save_comfyui_file(out / name, comfy))
         return written
 
 

@@ -492,13 +492,11 @@ class HunyuanVideoStudent(DiffusersStudent):
             return
         from pathlib import Path
 
-        from safetensors.torch import save_file
-
-        from fv_accel.models.lora import COMFYUI_LORA_FILE, DIFFUSERS_LORA_FILE, read_lora_file
+        from fv_accel.models.lora import COMFYUI_LORA_FILE, DIFFUSERS_LORA_FILE, read_lora_file, save_comfyui_file
 
         state, metadata = read_lora_file(Path(output_dir) / DIFFUSERS_LORA_FILE)
         if metadata is None or metadata.get("use_rslora") or metadata.get("use_dora"):
             logger.warning("no ComfyUI LoRA file: the adapter is rsLoRA/DoRA or has no metadata (alpha unknown)")
             return
         comfy = self.comfyui_lora_state(state, metadata, lambda: dict(self.modules[0].config))
-        save_file(comfy, str(Path(output_dir) / COMFYUI_LORA_FILE), metadata={"format": "pt"})
+        save_comfyui_file(Path(output_dir) / COMFYUI_LORA_FILE, comfy)
