@@ -72,7 +72,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_graph_sees_function_level_imports():
     graph = import_graph()
-    # fv_accel/build.py imports the methods inside build_from_config only.
+    # fv_accel/build.py imports the methods inside a function only (_build_student_and_method).
     assert "fv_accel.methods" in graph["fv_accel.build"]
     assert "fv_accel.seeding" in graph["fv_accel.data.loader"]
 
