@@ -102,3 +102,39 @@ def test_lower_layers_never_import_upper_ones():
         if any(target == f or target.startswith(f + ".") for f in forbidden)
     ]
     assert not bad, "\n".join(bad)
+
+
+# A function reads on one screen (DESIGN.md): name the phases instead.
+MAX_FUNCTION_LINES = 100
+MAX_LOOP_LINES = 80
+
+
+def function_lengths() -> dict[str, int]:
+    """'<file>:<Class.>function' -> its lines (def to last line; decorators and nested functions
+    count inside the function that holds them), for every function and method in fv_accel/."""
+    lengths: dict[str, int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+
+        def visit(node: ast.AST, prefix: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lengths[f"{rel}:{prefix}{child.name}"] = child.end_lineno - child.lineno + 1
+                    visit(child, f"{prefix}{child.name}.")
+                elif isinstance(child, ast.ClassDef):
+                    visit(child, f"{prefix}{child.name}.")
+                else:
+                    visit(child, prefix)
+
+        visit(ast.parse(path.read_text(), filename=str(path)), "")
+    return lengths
+
+
+def test_no_function_over_100_lines_and_the_loop_on_one_screen():
+    lengths = function_lengths()
+    assert len(lengths) > 500  # the walk sees the whole package, methods and nested functions included
+    assert lengths["fv_accel/trainer.py:Trainer.run"] > 1  # methods are counted under their class
+    long = {name: n for name, n in lengths.items() if n > MAX_FUNCTION_LINES}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+    loop = lengths["fv_accel/trainer.py:Trainer._train"]
+    assert loop <= MAX_LOOP_LINES, f"Trainer._train is {loop} lines (at most {MAX_LOOP_LINES})"
