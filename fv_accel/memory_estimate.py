@@ -86,7 +86,7 @@ def optimizer_state_bytes(cfg: RunConfig, tensors: list[tuple[tuple[int, ...], i
 # torch.utils.checkpoint) a block keeps only its input (S x D x a) and one block is recomputed at a
 # time in the backward pass. The backward frees saved tensors as it makes gradients: the measured
 # peak of a step (benchmarks/memory.py, CPU RSS) is the saved tensors plus the weight gradients,
-# with no further working set (README "Performance").
+# with no further working set (docs/performance.md).
 
 
 @dataclass
