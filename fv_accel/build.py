@@ -368,10 +368,10 @@ def resolve_data_path(cfg: RunConfig, accelerator) -> str:
         from fv_accel.data.schema import local_dataset_path
 
         return local_dataset_path(path)  # hf://<repo>: its snapshot in the local Hugging Face cache
-    from fv_accel.tiny.data import ensure_tiny_dataset
+    from fv_accel.tiny import tiny_dataset
 
     with accelerator.main_process_first():
-        return str(ensure_tiny_dataset(cfg.training.data))
+        return str(tiny_dataset(cfg.training.data))
 
 
 def _latent_stats_from_dataset(cfg: RunConfig, data_path: str) -> None:
