@@ -25,6 +25,7 @@ import csv
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -62,7 +63,7 @@ CAPTION_COLUMNS = ("caption", "prompt", "text")
 # Files that may sit beside clips without being clips (not reported as unsupported).
 SIDE_FILE_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".csv", ".yaml", ".yml")
 METADATA_NAMES = ("metadata.csv", "metadata.jsonl")
-SETTINGS_VERSION = 2  # raised whenever the same settings would decode a clip differently
+SETTINGS_VERSION = 3  # raised whenever the same settings would decode a clip differently
 
 
 class InputError(ValueError):
@@ -114,9 +115,56 @@ def _extension_problem(name: str) -> Optional[tuple[str, str]]:
 
 
 def _visible_files(root: Path) -> list[Path]:
-    return sorted(
-        p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
-    )
+    return [f for f, problem in folder_entries(root) if problem is None]
+
+
+def _unfollowable_link(link: Path) -> tuple[str, str]:
+    """('dangling_link', detail) for a symbolic link that leads nowhere."""
+    try:
+        os.stat(link)
+        why = "it resolves now"
+    except OSError as err:
+        why = err.strerror or err.__class__.__name__
+    return ("dangling_link", f"a symbolic link to '{os.readlink(link)}' that cannot be followed ({why})")
+
+
+def folder_entries(root: Path) -> list[tuple[Path, Optional[tuple[str, str]]]]:
+    """Every visible file under `root` (no part of its path starts with '.'), in path order, links
+    to folders followed: (path, None), or (path, (reason, detail)) for a link that is not followed:
+    'dangling_link' (it leads nowhere), 'link_loop' (to a folder that contains it: following it
+    would never end) or 'link_to_listed_folder' (to a folder listed already under another path).
+    Real folders are listed before linked ones, so a clip is named by its real path where it has one."""
+    entries: list[tuple[Path, Optional[tuple[str, str]]]] = []
+    listed: dict[tuple[int, int], Path] = {}  # (device, inode) of each folder listed -> its path
+    links: list[Path] = []
+
+    def walk(top: Path) -> None:
+        for here, dirnames, filenames in os.walk(top):  # does not descend into links: they are queued
+            st = os.stat(here)
+            listed.setdefault((st.st_dev, st.st_ino), Path(here))
+            dirnames[:] = sorted(n for n in dirnames if not n.startswith("."))
+            links.extend(Path(here, n) for n in dirnames if os.path.islink(os.path.join(here, n)))
+            for n in filenames:
+                f = Path(here, n)
+                if not n.startswith(".") and (f.is_file() or f.is_symlink()):
+                    entries.append((f, None if f.is_file() else _unfollowable_link(f)))
+
+    walk(root)
+    while links:
+        link = links.pop(0)
+        st = os.stat(link)
+        seen = listed.get((st.st_dev, st.st_ino))
+        if seen is None:
+            walk(link)
+            continue
+        where = seen.relative_to(root).as_posix() if seen.is_relative_to(root) else str(seen)
+        # A loop: the link leads back to a folder on its own path (as listed, links included).
+        on_its_path = [p for p in link.parents if p == root or p.is_relative_to(root)]
+        if any(os.path.samefile(p, link) for p in on_its_path):
+            entries.append((link, ("link_loop", f"a link to the folder '{where}' that holds it: not followed (a loop)")))
+        else:
+            entries.append((link, ("link_to_listed_folder", f"a link to the folder '{where}', listed already: not followed")))
+    return sorted(entries, key=lambda e: e[0])
 
 
 def read_caption_file(path: Path, encoding: str = "utf-8") -> tuple[Optional[str], Optional[tuple[str, str]]]:
@@ -138,14 +186,16 @@ def read_caption_file(path: Path, encoding: str = "utf-8") -> tuple[Optional[str
 
 
 def list_folder(root: Path, caption_encoding: str = "utf-8") -> list[ClipSource]:
-    files = _visible_files(root)
     clips: list[ClipSource] = []
     unsupported = []
-    for f in files:
+    for f, link_problem in folder_entries(root):
         ext = f.suffix.lower()
-        if ext in SIDE_FILE_EXTENSIONS:
+        if ext in SIDE_FILE_EXTENSIONS and not f.is_dir():
             continue
         rel = f.relative_to(root).as_posix()
+        if link_problem is not None:
+            clips.append(ClipSource(len(clips), rel, path=f, problem=link_problem))
+            continue
         if ext not in MEDIA_EXTENSIONS:
             unsupported.append(ext or "(none)")
             clips.append(ClipSource(len(clips), rel, path=f, problem=_extension_problem(rel)))
@@ -155,6 +205,8 @@ def list_folder(root: Path, caption_encoding: str = "utf-8") -> list[ClipSource]
         problem = problem or _caption_problem(caption)
         if problem and problem[0] == "missing_caption":
             problem = ("missing_caption", f"no caption file {caption_file.name} beside the clip")
+            if caption_file.is_symlink():
+                problem = ("missing_caption", f"{caption_file.name}: {_unfollowable_link(caption_file)[1]}")
         clips.append(ClipSource(len(clips), rel, path=f, caption=caption, problem=problem))
     if not any(c.problem is None or c.problem[0] != "unsupported_extension" for c in clips):
         found = f"; found only files with unsupported extensions ({', '.join(sorted(set(unsupported)))})" if unsupported else ""
@@ -229,7 +281,7 @@ def list_metadata(
         name = ref
         problem = _extension_problem(ref) or _caption_problem(row.get(ccol))
         if problem is None and not file.is_file():
-            problem = ("missing_file", f"no such file: {file}")
+            problem = _unfollowable_link(file) if file.is_symlink() else ("missing_file", f"no such file: {file}")
         clips.append(ClipSource(i, name, path=file, caption=row.get(ccol), problem=problem))
     return clips
 
@@ -436,6 +488,20 @@ def _shard_keys(path: Path) -> Optional[list]:
     return list(zip(*(t.column(c).to_pylist() for c in ("fv_key", "id", "file_name"))))
 
 
+def check_output_writable(output: Path) -> None:
+    """Raise InputError, one line naming the folder, when `output` cannot be created or written."""
+    import tempfile
+
+    if output.exists() and not output.is_dir():
+        raise InputError(f"--output {output}: a file is there, not a folder")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output, prefix=".fv_write_check_"):
+            pass
+    except OSError as err:
+        raise InputError(f"--output {output}: cannot write there ({err.strerror or err.__class__.__name__})") from None
+
+
 def preprocess(
     model: str,
     input: str,
@@ -483,6 +549,7 @@ def preprocess(
     num_shards = max(1, math.ceil(len(clips) / shard_size))
     family, spec = _probe_model(model, revision, encoder)
     _check_buckets(spec, sampling, model)
+    check_output_writable(output)  # after the checks of the input: a refused run creates no folder
     job = _EncodeJob(model, revision, sampling, output, device, dtype, vae_tiling, family, spec, encoder)
     job.start(rank, command)
     if rank == 0:

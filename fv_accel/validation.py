@@ -95,12 +95,31 @@ PROMPT_KEYS = {
 }
 
 
+def _prompt_file_text(path: Path) -> str:
+    """The text of a prompt file; errors are one line naming the file and what is wrong with it."""
+    key = "callbacks.validation.prompt_file"
+    if path.is_dir():
+        raise ValueError(f"{key}: '{path}' is a folder; expected a .txt, .jsonl or .json file of prompts")
+    if not path.is_file():
+        raise FileNotFoundError(f"{key}: '{path}' does not exist")
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"{key}: '{path}' cannot be read ({err.strerror or err.__class__.__name__})") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{key}: '{path}' is not UTF-8 (byte {raw[err.start:err.end].hex(' ')} at offset {err.start}, line {line}); "
+            "save it as UTF-8"
+        ) from None
+
+
 def read_prompt_file(path: Union[str, Path]) -> list[Union[str, dict]]:
     """Entries of a TXT / JSONL / JSON prompt file (strings or objects), errors naming the line."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"callbacks.validation.prompt_file: '{path}' does not exist")
-    text = path.read_text(encoding="utf-8")
+    text = _prompt_file_text(path)
     suffix = path.suffix.lower()
     if suffix == ".txt":
         return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
