@@ -553,11 +553,10 @@ class Trainer:
                 self._stop_after_applied_fault(outcome, loop)
             for cb in self.callbacks:
                 cb.on_step_end(self, self.step, outcome.logs)
-            if loop.ckpt_every and self.step % loop.ckpt_every == 0 and self.step < loop.max_steps:
-                self.save_checkpoint()
+            self._checkpoint_if_due(loop)
             self._stop_on_fault_policy(outcome, loop)
-            if self.step < loop.max_steps and self._stop_requested():
-                stopped_by = signal.Signals(self._stop_signal).name if self._stop_signal else "another rank's signal"
+            stopped_by = self._requested_stop(loop)
+            if stopped_by is not None:
                 break
         progress.close()
         wall = time.perf_counter() - t_start
@@ -704,6 +703,18 @@ class Trainer:
             self._progress.close()
             ckpt = self.save_checkpoint()
             raise TrainingStopped(f"{stop_reason}; checkpoint saved in {ckpt}", ckpt)
+
+    # ---- the checkpoint cadence and the stop request ----
+    def _checkpoint_if_due(self, loop: "LoopSettings") -> None:
+        """A checkpoint every `training_state_checkpointing_steps` steps (the last step ends with the final weights instead)."""
+        if loop.ckpt_every and self.step % loop.ckpt_every == 0 and self.step < loop.max_steps:
+            self.save_checkpoint()
+
+    def _requested_stop(self, loop: "LoopSettings") -> Optional[str]:
+        """What asked this run to stop at this step boundary (a signal's name), or None."""
+        if self.step < loop.max_steps and self._stop_requested():
+            return signal.Signals(self._stop_signal).name if self._stop_signal else "another rank's signal"
+        return None
 
     # ---- the log cadence ----
     def _log_step(self, out: "StepOutcome", loop: "LoopSettings", tally: "RunTally", telemetry: Any) -> None:
