@@ -531,9 +531,10 @@ def preprocess(
     is called after each clip ("encoded", "reused" or "skipped"). `caption_encoding`: of caption
     files and metadata files. `command`: the command line, kept with the pending rows until the
     end so that training on the unfinished folder can say how to finish it.
-    """
-    from fv_accel.models.encoders import TEXT_MAX_LENGTH
 
+    The stages: list the clips, probe the model, check the buckets against its VAE, encode (or
+    reuse) each clip, write the shards, report (skipped.jsonl, fv_dataset.json).
+    """
     t0 = time.perf_counter()
     if shard_size < 1:
         raise ValueError(f"shard_size: expected an integer >= 1, got {shard_size}")
@@ -546,8 +547,32 @@ def preprocess(
         input, video_column=video_column, caption_column=caption_column, split=split, caption_encoding=caption_encoding
     )
     num_shards = max(1, math.ceil(len(clips) / shard_size))
-    # The model's family and what the model is conditioned on, from its configs (an encoder passed
-    # in without a spec is text-only).
+    family, spec = _probe_model(model, revision, encoder)
+    _check_buckets(spec, sampling, model)
+    check_output_writable(output)  # after the checks of the input: a refused run creates no folder
+    job = _EncodeJob(model, revision, sampling, output, device, dtype, vae_tiling, family, spec, encoder)
+    job.start(rank, command)
+    if rank == 0:
+        logger.info("preprocessing %d clip(s) from %s (%s) on %d process(es)", len(clips), input, form, world_size)
+    my_shards = [s for s in range(num_shards) if s % world_size == rank]
+    from tqdm.auto import tqdm
+
+    # Rank 0's clips (its shards): clips/s and the ETA on stderr; the other ranks show none.
+    progress = tqdm(
+        total=sum(len(clips[s * shard_size : (s + 1) * shard_size]) for s in my_shards),
+        desc="preprocess" if world_size == 1 else f"preprocess (process 0 of {world_size})",
+        unit="clip", disable=rank != 0, file=sys.stderr, dynamic_ncols=True,
+    )
+    for s in my_shards:
+        rows, new_keys = job.encode_shard(clips[s * shard_size : (s + 1) * shard_size], progress, on_clip_done)
+        job.write_shard(s, num_shards, rows, new_keys)
+    progress.close()
+    return job.report(rank, world_size, barrier, num_shards, form, t0)
+
+
+def _probe_model(model: str, revision: Optional[str], encoder: Any) -> tuple[Any, Any]:
+    """The model's family and what the model is conditioned on, from its configs (an encoder
+    passed in without a spec is text-only): (family or None, encoding spec or None)."""
     family = None
     if encoder is None:
         from fv_accel.models import family_of_repo
@@ -556,7 +581,11 @@ def preprocess(
         spec = family.encoding_spec(model, revision)
     else:
         spec = getattr(encoder, "spec", None)
-    conditioning = spec.conditioning if spec is not None else ("text",)
+    return family, spec
+
+
+def _check_buckets(spec: Any, sampling: FrameSampling, model: str) -> None:
+    """The size buckets and frame counts the model's VAE can encode (an InputError naming the flag)."""
     problem = spec.bucket_problem(sampling.buckets, f"'{model}'") if spec is not None else None
     if problem:
         raise InputError(f"--buckets {problem}")
@@ -567,40 +596,59 @@ def preprocess(
             f"--num_frames {','.join(str(n) for n in bad)}: the VAE of '{model}' compresses time by {factor}, so "
             f"frame counts must be {factor}k+1 (e.g. {factor + 1}, {2 * factor + 1}, {4 * factor + 1})"
         )
-    fingerprint = settings_fingerprint(model, revision, sampling, dtype, TEXT_MAX_LENGTH, conditioning)
-    check_output_writable(output)  # after the checks of the input: a refused run creates no folder
-    pending = output / PENDING_DIR
-    pending.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        # Written again at the end: until then the folder is a dataset in the making.
-        (output / DATASET_INFO).unlink(missing_ok=True)
-        if command:
-            (pending / PENDING_COMMAND).write_text(command + "\n", encoding="utf-8")
-    store = _RowStore(output)
-    stats = _Stats()
-    if rank == 0:
-        logger.info("preprocessing %d clip(s) from %s (%s) on %d process(es)", len(clips), input, form, world_size)
 
-    def get_encoder():
-        nonlocal encoder
-        if encoder is None:
-            encoder = family.make_encoder(model, device=device, dtype=dtype, revision=revision, vae_tiling=vae_tiling, spec=spec)
-        return encoder
 
-    def encode(clip: ClipSource, payload: Union[Path, bytes], content: str, key: str) -> dict:
-        got = read_clip(payload, clip.name, sampling, content)
-        enc = get_encoder()
+class _EncodeJob:
+    """One process's encoding: the settings, the encoder (loaded at the first clip that needs it),
+    the rows already encoded (reused by key) and the counts; its stages encode a shard's clips,
+    write the shard and report."""
+
+    def __init__(
+        self, model: str, revision: Optional[str], sampling: FrameSampling, output: Path, device: torch.device,
+        dtype: torch.dtype, vae_tiling: bool, family: Any, spec: Any, encoder: Any,
+    ):
+        from fv_accel.models.encoders import TEXT_MAX_LENGTH
+
+        self.model, self.revision, self.sampling, self.output = model, revision, sampling, output
+        self.device, self.dtype, self.vae_tiling = device, dtype, vae_tiling
+        self.family, self.spec, self.encoder = family, spec, encoder
+        self.conditioning = spec.conditioning if spec is not None else ("text",)
+        self.fingerprint = settings_fingerprint(model, revision, sampling, dtype, TEXT_MAX_LENGTH, self.conditioning)
+        self.pending = output / PENDING_DIR
+        self.stats = _Stats()
+        self.store: Optional[_RowStore] = None
+
+    def start(self, rank: int, command: Optional[str]) -> None:
+        """The pending folder, the command kept in it, and the rows found from an earlier run."""
+        self.pending.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            # Written again at the end: until then the folder is a dataset in the making.
+            (self.output / DATASET_INFO).unlink(missing_ok=True)
+            if command:
+                (self.pending / PENDING_COMMAND).write_text(command + "\n", encoding="utf-8")
+        self.store = _RowStore(self.output)
+
+    def get_encoder(self) -> Any:
+        if self.encoder is None:
+            self.encoder = self.family.make_encoder(
+                self.model, device=self.device, dtype=self.dtype, revision=self.revision, vae_tiling=self.vae_tiling, spec=self.spec
+            )
+        return self.encoder
+
+    def encode(self, clip: ClipSource, payload: Union[Path, bytes], content: str, key: str) -> dict:
+        got = read_clip(payload, clip.name, self.sampling, content)
+        enc = self.get_encoder()
         t = time.perf_counter()
         latent = enc.encode_video(got.frames)
         columns = dict(enc.encode_caption(clip.caption.strip()))
         text = columns.pop("text_embedding")
-        if conditioning != ("text",):
+        if self.conditioning != ("text",):
             columns.update(enc.encode_frames_conditioning(got.frames))
         note_caption_length(pending / f"{CAPTION_TOKENS_PENDING}{rank}.jsonl", key, enc, clip.caption.strip())
         extra = {}
         for name, value in columns.items():
             extra.update(tensor_columns(name, value))
-        stats.encode_seconds += time.perf_counter() - t
+        self.stats.encode_seconds += time.perf_counter() - t
         n, h, w = got.frames.shape[:3]
         image = is_image(clip.name)
         return make_row(
@@ -619,82 +667,90 @@ def preprocess(
             **extra,
         )
 
-    my_shards = [s for s in range(num_shards) if s % world_size == rank]
-    from tqdm.auto import tqdm
-
-    # Rank 0's clips (its shards): clips/s and the ETA on stderr; the other ranks show none.
-    progress = tqdm(
-        total=sum(len(clips[s * shard_size : (s + 1) * shard_size]) for s in my_shards),
-        desc="preprocess" if world_size == 1 else f"preprocess (process 0 of {world_size})",
-        unit="clip", disable=rank != 0, file=sys.stderr, dynamic_ncols=True,
-    )
-    for s in my_shards:
+    def encode_shard(
+        self, clips: list[ClipSource], progress: Any, on_clip_done: Optional[Callable[[ClipSource, str], None]]
+    ) -> tuple[list[dict], list[str]]:
+        """The shard's rows (encoded now or reused) and the keys of those encoded now."""
         rows: list[dict] = []
         new_keys: list[str] = []
-        for clip in clips[s * shard_size : (s + 1) * shard_size]:
-            status = "skipped"
-            if clip.problem is not None:
-                stats.skipped.append((clip.index, clip.name, *clip.problem))
-            else:
-                try:
-                    payload = clip.payload()
-                    content = content_hash(payload)
-                except OSError as err:
-                    stats.skipped.append((clip.index, clip.name, "unreadable", f"cannot read the file ({err})"))
-                    content = None
-                if content is not None:
-                    key = clip_key(content, clip.caption, fingerprint)
-                    row = store.get(key) if key in store else None
-                    if row is not None:
-                        stats.reused += 1
-                        status = "reused"
-                    else:
-                        try:
-                            row = encode(clip, payload, content, key)
-                        except ClipError as err:
-                            stats.skipped.append((clip.index, clip.name, err.reason, err.detail))
-                        else:
-                            # Written at once, so an interruption loses at most the clip in flight.
-                            write_rows([row], pending / f"{key}.parquet")
-                            store.where[key] = (pending / f"{key}.parquet", 0)  # the same bytes again
-                            new_keys.append(key)
-                            stats.newly_encoded += 1
-                            status = "encoded"
-                    if row is not None:
-                        # The same bytes may sit under another name: the row takes this clip's name.
-                        rows.append({**row, "id": clip.name, "file_name": clip.name})
+        for clip in clips:
+            status, row = self._clip_row(clip, new_keys)
+            if row is not None:
+                # The same bytes may sit under another name: the row takes this clip's name.
+                rows.append({**row, "id": clip.name, "file_name": clip.name})
             progress.update(1)
             if on_clip_done is not None:
                 on_clip_done(clip, status)
-        shard = output / f"data-{s:05d}-of-{num_shards:05d}.parquet"
+        return rows, new_keys
+
+    def _clip_row(self, clip: ClipSource, new_keys: list[str]) -> tuple[str, Optional[dict]]:
+        """("encoded" | "reused" | "skipped", the clip's row or None)."""
+        stats, store = self.stats, self.store
+        if clip.problem is not None:
+            stats.skipped.append((clip.index, clip.name, *clip.problem))
+            return "skipped", None
+        try:
+            payload = clip.payload()
+            content = content_hash(payload)
+        except OSError as err:
+            stats.skipped.append((clip.index, clip.name, "unreadable", f"cannot read the file ({err})"))
+            return "skipped", None
+        key = clip_key(content, clip.caption, self.fingerprint)
+        row = store.get(key) if key in store else None
+        if row is not None:
+            stats.reused += 1
+            return "reused", row
+        try:
+            row = self.encode(clip, payload, content, key)
+        except ClipError as err:
+            stats.skipped.append((clip.index, clip.name, err.reason, err.detail))
+            return "skipped", None
+        # Written at once, so an interruption loses at most the clip in flight.
+        write_rows([row], self.pending / f"{key}.parquet")
+        store.where[key] = (self.pending / f"{key}.parquet", 0)  # the same bytes again
+        new_keys.append(key)
+        stats.newly_encoded += 1
+        return "encoded", row
+
+    def write_shard(self, s: int, num_shards: int, rows: list[dict], new_keys: list[str]) -> None:
+        """Shard `s` from its rows (rewritten only when they changed), then its pending rows removed."""
+        shard = self.output / f"data-{s:05d}-of-{num_shards:05d}.parquet"
         wanted = [(r["fv_key"], r["id"], r["file_name"]) for r in rows]
         if rows and (not shard.is_file() or _shard_keys(shard) != wanted):
             write_rows(rows, shard)
         elif not rows and shard.is_file():
             shard.unlink()
         for key in new_keys:
-            (pending / f"{key}.parquet").unlink(missing_ok=True)
+            (self.pending / f"{key}.parquet").unlink(missing_ok=True)
 
-    progress.close()
-    (pending / f"stats-r{rank}.json").write_text(
-        json.dumps({"newly_encoded": stats.newly_encoded, "reused": stats.reused, "encode_seconds": stats.encode_seconds, "skipped": stats.skipped})
-    )
-    if world_size > 1:
-        barrier()
-    result = PreprocessResult(0, 0, 0, 0, 0.0, output, form, world_size)
-    if rank == 0:
-        if encoder is not None and hasattr(encoder, "latent_statistics"):
-            stats_found = encoder.latent_statistics()
-        elif encoder is not None:  # an encoder without the method: its VAE's config says
-            config = encoder.vae.config
-            stats_found = (config.get("latents_mean"), config.get("latents_std")) if config.get("latents_mean") else None
-        else:  # nothing was encoded by this process: read the statistics, load nothing
-            stats_found = family.latent_statistics(model, revision)
-        result = _finish(output, model, revision, sampling, num_shards, world_size, form, stats_found, conditioning, spec)
-        result.seconds = time.perf_counter() - t0
-    if world_size > 1:
-        barrier()
-    return result
+    def report(
+        self, rank: int, world_size: int, barrier: Optional[Callable[[], None]], num_shards: int, form: str, t0: float
+    ) -> PreprocessResult:
+        """This process's counts; then (main process, after the others) skipped.jsonl, the
+        latent statistics and fv_dataset.json."""
+        stats, encoder = self.stats, self.encoder
+        (self.pending / f"stats-r{rank}.json").write_text(
+            json.dumps({"newly_encoded": stats.newly_encoded, "reused": stats.reused, "encode_seconds": stats.encode_seconds, "skipped": stats.skipped})
+        )
+        if world_size > 1:
+            barrier()
+        result = PreprocessResult(0, 0, 0, 0, 0.0, self.output, form, world_size)
+        if rank == 0:
+            if encoder is not None and hasattr(encoder, "latent_statistics"):
+                stats_found = encoder.latent_statistics()
+            elif encoder is not None:  # an encoder without the method: its VAE's config says
+                config = encoder.vae.config
+                stats_found = (config.get("latents_mean"), config.get("latents_std")) if config.get("latents_mean") else None
+            else:  # nothing was encoded by this process: read the statistics, load nothing
+                stats_found = self.family.latent_statistics(self.model, self.revision)
+            result = _finish(
+                self.output, self.model, self.revision, self.sampling, num_shards, world_size, form, stats_found,
+                self.conditioning, self.spec,
+            )
+            result.seconds = time.perf_counter() - t0
+        if world_size > 1:
+            barrier()
+        return result
 
 
 def _finish(

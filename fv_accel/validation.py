@@ -245,14 +245,14 @@ def resolve_heldout_path(cfg: Any, accelerator: Any = None) -> Optional[str]:
     val = cfg.callbacks.validation
     if val.heldout_data_path != "tiny":
         return val.heldout_data_path
-    from fv_accel.tiny.data import ensure_tiny_dataset
+    from fv_accel.tiny import tiny_dataset
 
     data = dataclasses.replace(
         cfg.training.data, seed=cfg.training.data.seed + 1, tiny_num_clips=val.heldout_max_samples
     )
     context = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
     with context:
-        return str(ensure_tiny_dataset(data))
+        return str(tiny_dataset(data))
 
 
 def training_exclusions(cfg: Any, data_path: str) -> list[int]:

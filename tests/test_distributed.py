@@ -519,7 +519,7 @@ def launch_env(config: Path, *cli: str, with_args: bool = False):
 
 @pytest.mark.parametrize("name", ["fsdp2.yaml", "fsdp2_hybrid.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3_offload.yaml"])
 def test_multinode_launch_command_is_accepted(name):
-    """The README's second-node command: torchrun on each node with its machine rank (for
+    """The second-node command of docs/distributed-and-multi-node.md: torchrun on each node with its machine rank (for
     DeepSpeed too, not its pdsh launcher, so SLURM can start one launcher per node)."""
     cli = ("--num_machines", "2", "--num_processes", "16", "--machine_rank", "1",
            "--main_process_ip", "10.0.0.1", "--main_process_port", "29500")
