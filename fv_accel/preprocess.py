@@ -615,11 +615,13 @@ class _EncodeJob:
         self.conditioning = spec.conditioning if spec is not None else ("text",)
         self.fingerprint = settings_fingerprint(model, revision, sampling, dtype, TEXT_MAX_LENGTH, self.conditioning)
         self.pending = output / PENDING_DIR
+        self.rank = 0
         self.stats = _Stats()
         self.store: Optional[_RowStore] = None
 
     def start(self, rank: int, command: Optional[str]) -> None:
         """The pending folder, the command kept in it, and the rows found from an earlier run."""
+        self.rank = rank
         self.pending.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             # Written again at the end: until then the folder is a dataset in the making.
@@ -644,7 +646,7 @@ class _EncodeJob:
         text = columns.pop("text_embedding")
         if self.conditioning != ("text",):
             columns.update(enc.encode_frames_conditioning(got.frames))
-        note_caption_length(pending / f"{CAPTION_TOKENS_PENDING}{rank}.jsonl", key, enc, clip.caption.strip())
+        note_caption_length(self.pending / f"{CAPTION_TOKENS_PENDING}{self.rank}.jsonl", key, enc, clip.caption.strip())
         extra = {}
         for name, value in columns.items():
             extra.update(tensor_columns(name, value))

@@ -127,8 +127,8 @@ def table_keys_in(text: str) -> list[tuple[str, str]]:
         if len(cells) < 2 or not re.fullmatch(r"`[\w.]+`", cells[0]):
             continue
         section = cells[0].strip("`")
-        if section.split(".")[0] not in SECTION_ROOTS:
-            continue
+        if section.split(".")[0] not in SECTION_ROOTS or not is_section(section):
+            continue  # not a recipe table, or a table of single keys (their defaults in the next cell)
         keys_cell = "|".join(cells[1:2])
         while re.search(r"\([^()]*\)", keys_cell):  # values and remarks, nested parentheses included
             keys_cell = re.sub(r"\([^()]*\)", "", keys_cell)
@@ -161,6 +161,17 @@ def key_exists(dotted: str) -> bool:
             return False
         node = hints[part]
     return True
+
+
+def is_section(dotted: str) -> bool:
+    """A dotted name that names a section of the recipe (a dataclass), not a key of one."""
+    node: typing.Any = RunConfig
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        if part not in hints:
+            return False
+        node = hints[part]
+    return dataclasses.is_dataclass(node)
 
 
 class _Parsed(Exception):
