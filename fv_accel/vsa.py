@@ -21,8 +21,8 @@ its Wan models (the FastWan checkpoints). The semantics here are those of FastVi
 Backends (`backend=`), all returning the same numbers up to floating-point summation order:
 
 - `kernel`: FastVideo's CUDA kernel (`fastvideo-kernel`, the optional extra `fv_accel[vsa]`),
-  called on the tile-major padded buffer as FastVideo's own backend calls it. CUDA, bf16/fp16,
-  head dim 64 or 128.
+  called on the tile-major padded buffer as FastVideo's own backend calls it. CUDA, bf16 (its
+  Triton path computes in bf16), head dim 64 or 128.
 - `flex`: PyTorch FlexAttention on the tile-major buffer with a `BlockMask` of block size 64 (one
   tile) built from the selected tiles; padding slots are masked by a `mask_mod` on edge tiles only.
   Compiled on CUDA. torch 2.13 has no FlexAttention backward on CPU: there it runs forward only.
@@ -61,8 +61,9 @@ TILE_SIZE = (4, 4, 4)
 TILE_TOKENS = math.prod(TILE_SIZE)
 BACKENDS = ("auto", "kernel", "flex", "gathered", "reference")
 KERNEL_HEAD_DIMS = (64, 128)  # FastVideo's VideoSparseAttentionBackend.get_supported_head_sizes
-# The gathered backend builds keys/values of its query tiles in chunks of at most this many elements.
-GATHER_CHUNK_ELEMENTS = 1 << 25
+# The gathered backend gathers the keys and values of its query tiles in chunks of at most this many
+# elements (32 MB in float32: small enough for the allocator to reuse from chunk to chunk).
+GATHER_CHUNK_ELEMENTS = 1 << 23
 
 
 def topk_tiles(sparsity: float, num_tiles: int) -> int:
@@ -201,25 +202,125 @@ def select_tiles(scores: torch.Tensor, k: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def _gather_plan(idx: torch.Tensor, n: int, budget_per_tile: int) -> tuple[torch.Tensor, int]:
+    """(rows [B*heads, n*k]: the buffer row of each selected tile, query tiles per chunk)."""
+    b, heads, _, k = idx.shape
+    rows = (idx + (torch.arange(b * heads, device=idx.device) * n).view(b, heads, 1, 1)).reshape(b * heads, n * k)
+    return rows, max(1, GATHER_CHUNK_ELEMENTS // max(1, budget_per_tile))
+
+
+def _padding_bias(layout: TileLayout, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """[tiles, 64]: 0 on tokens, -inf on padding slots (None when no tile has padding)."""
+    if layout.all_full:
+        return None
+    return torch.zeros(layout.valid.shape, dtype=dtype, device=layout.valid.device).masked_fill(~layout.valid, float("-inf"))
+
+
 def fine_gathered(qt, kt, vt, idx: torch.Tensor, layout: TileLayout) -> torch.Tensor:
-    """Per query tile, SDPA over its selected key tiles gathered from the tile-major buffer."""
+    """Per query tile, SDPA over its selected key tiles gathered from the tile-major buffer. On CPU
+    through `_CpuGatheredAttention` (gathers into reused buffers, keeps no gathered copy for the
+    backward); elsewhere plain SDPA under autograd."""
+    if qt.device.type == "cpu":
+        return _CpuGatheredAttention.apply(qt, kt, vt, idx, _padding_bias(layout, qt.dtype))
     b, heads, n, s, d = qt.shape
     k = idx.shape[-1]
-    bi = torch.arange(b, device=qt.device).view(b, 1, 1, 1)
-    hi = torch.arange(heads, device=qt.device).view(1, heads, 1, 1)
-    chunk = max(1, GATHER_CHUNK_ELEMENTS // max(1, 2 * b * heads * k * s * d))
+    key_rows, value_rows = kt.reshape(b * heads * n, s * d), vt.reshape(b * heads * n, s * d)
+    rows, chunk = _gather_plan(idx, n, 2 * b * heads * k * s * d)
+    bias = _padding_bias(layout, qt.dtype)
     outs = []
     for start in range(0, n, chunk):
-        sel = idx[:, :, start : start + chunk]  # [B, heads, c, k]
-        c = sel.shape[2]
-        keys = kt[bi, hi, sel].reshape(b * heads, c, k * s, d)
-        values = vt[bi, hi, sel].reshape(b * heads, c, k * s, d)
-        mask = None
-        if not layout.all_full:
-            mask = layout.valid[sel].reshape(b * heads, c, 1, k * s)
+        c = min(chunk, n - start)
+        picked = rows[:, start * k : (start + c) * k].reshape(-1)
+        keys = key_rows.index_select(0, picked).view(b * heads, c, k * s, d)
+        values = value_rows.index_select(0, picked).view(b * heads, c, k * s, d)
+        mask = None if bias is None else bias.index_select(0, idx[:, :, start : start + c].reshape(-1)).view(b * heads, c, 1, k * s)
         query = qt[:, :, start : start + c].reshape(b * heads, c, s, d)
         outs.append(F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).view(b, heads, c, s, d))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+class _CpuGatheredAttention(torch.autograd.Function):
+    """The gathered fine branch on CPU with torch's fused CPU attention kernels: each chunk of query
+    tiles gathers its selected key/value tiles into buffers reused from chunk to chunk (fresh
+    multi-megabyte allocations cost more than the copy), and the backward gathers them again
+    instead of keeping them, so memory stays O(L * D) beside the chunk buffers."""
+
+    @staticmethod
+    def _chunks(qt, idx):
+        b, heads, n, s, d = qt.shape
+        k = idx.shape[-1]
+        rows, chunk = _gather_plan(idx, n, 2 * b * heads * k * s * d)
+        for start in range(0, n, chunk):
+            c = min(chunk, n - start)
+            yield start, c, rows[:, start * k : (start + c) * k].reshape(-1)
+
+    @staticmethod
+    def _gathered(rows_src, picked, buffer, shape):
+        out = buffer[: picked.numel()]
+        torch.index_select(rows_src, 0, picked, out=out)
+        return out.view(shape)
+
+    @staticmethod
+    def forward(ctx, qt, kt, vt, idx, bias):
+        b, heads, n, s, d = qt.shape
+        k = idx.shape[-1]
+        key_rows, value_rows = kt.reshape(b * heads * n, s * d), vt.reshape(b * heads * n, s * d)
+        out = torch.empty_like(qt)
+        lse = None
+        bufs = None
+        for start, c, picked in _CpuGatheredAttention._chunks(qt, idx):
+            if bufs is None:
+                bufs = [key_rows.new_empty(picked.numel(), s * d) for _ in range(2)]
+            shape = (b * heads, c, k * s, d)
+            keys = _CpuGatheredAttention._gathered(key_rows, picked, bufs[0], shape)
+            values = _CpuGatheredAttention._gathered(value_rows, picked, bufs[1], shape)
+            mask = _CpuGatheredAttention._mask(bias, idx, start, c, shape)
+            query = qt[:, :, start : start + c].reshape(b * heads, c, s, d)
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, keys, values, attn_mask=mask)
+            out[:, :, start : start + c] = o.view(b, heads, c, s, d)
+            if lse is None:
+                lse = l.new_empty(b * heads, n, s)
+            lse[:, start : start + c] = l
+        ctx.save_for_backward(qt, kt, vt, idx, out, lse)
+        ctx.bias = bias
+        return out
+
+    @staticmethod
+    def _mask(bias, idx, start, c, shape):
+        """The padding bias of the chunk's selected tiles, broadcast over the 64 queries of a tile."""
+        if bias is None:
+            return None
+        rows, _, keys, _ = shape
+        picked = bias.index_select(0, idx[:, :, start : start + c].reshape(-1))
+        return picked.view(rows, c, 1, keys).expand(rows, c, TILE_TOKENS, keys)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qt, kt, vt, idx, out, lse = ctx.saved_tensors
+        b, heads, n, s, d = qt.shape
+        k = idx.shape[-1]
+        key_rows, value_rows = kt.reshape(b * heads * n, s * d), vt.reshape(b * heads * n, s * d)
+        grad_q = torch.empty_like(qt)
+        grad_k_rows, grad_v_rows = torch.zeros_like(key_rows), torch.zeros_like(value_rows)
+        grad_out = grad_out.contiguous()
+        bufs = None
+        for start, c, picked in _CpuGatheredAttention._chunks(qt, idx):
+            if bufs is None:
+                bufs = [key_rows.new_empty(picked.numel(), s * d) for _ in range(2)]
+            shape = (b * heads, c, k * s, d)
+            keys = _CpuGatheredAttention._gathered(key_rows, picked, bufs[0], shape)
+            values = _CpuGatheredAttention._gathered(value_rows, picked, bufs[1], shape)
+            mask = _CpuGatheredAttention._mask(ctx.bias, idx, start, c, shape)
+            window = slice(start, start + c)
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out[:, :, window].reshape(b * heads, c, s, d), qt[:, :, window].reshape(b * heads, c, s, d),
+                keys, values, out[:, :, window].reshape(b * heads, c, s, d), lse[:, window],
+                0.0, False, attn_mask=mask,
+            )
+            grad_q[:, :, window] = gq.view(b, heads, c, s, d)
+            grad_k_rows.index_add_(0, picked, gk.reshape(-1, s * d))
+            grad_v_rows.index_add_(0, picked, gv.reshape(-1, s * d))
+        return grad_q, grad_k_rows.view_as(kt), grad_v_rows.view_as(vt), None, None
 
 
 _compiled_flex = None
@@ -308,7 +409,7 @@ def kernel_available() -> bool:
 
 
 def _kernel_suits(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in KERNEL_HEAD_DIMS
+    return q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-1] in KERNEL_HEAD_DIMS
 
 
 def kernel_attention(q, k, v, gate, layout: TileLayout, topk: int) -> torch.Tensor:
@@ -319,7 +420,7 @@ def kernel_attention(q, k, v, gate, layout: TileLayout, topk: int) -> torch.Tens
         raise RuntimeError("VSA backend 'kernel' needs fastvideo-kernel: pip install 'fv_accel[vsa]' (CUDA only)")
     if not _kernel_suits(q):
         raise ValueError(
-            f"VSA backend 'kernel' runs on CUDA bf16/fp16 tensors with head dim {KERNEL_HEAD_DIMS}; got "
+            f"VSA backend 'kernel' runs on CUDA bf16 tensors with head dim {KERNEL_HEAD_DIMS}; got "
             f"{q.device.type} {q.dtype} head dim {q.shape[-1]}: use backend 'flex' or 'auto'"
         )
     b, _, heads, d = q.shape
