@@ -202,13 +202,6 @@ def select_tiles(scores: torch.Tensor, k: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _gather_plan(idx: torch.Tensor, n: int, budget_per_tile: int) -> tuple[torch.Tensor, int]:
-    """(rows [B*heads, n*k]: the buffer row of each selected tile, query tiles per chunk)."""
-    b, heads, _, k = idx.shape
-    rows = (idx + (torch.arange(b * heads, device=idx.device) * n).view(b, heads, 1, 1)).reshape(b * heads, n * k)
-    return rows, max(1, GATHER_CHUNK_ELEMENTS // max(1, budget_per_tile))
-
-
 def _padding_bias(layout: TileLayout, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """[tiles, 64]: 0 on tokens, -inf on padding slots (None when no tile has padding)."""
     if layout.all_full:
@@ -216,111 +209,102 @@ def _padding_bias(layout: TileLayout, dtype: torch.dtype) -> Optional[torch.Tens
     return torch.zeros(layout.valid.shape, dtype=dtype, device=layout.valid.device).masked_fill(~layout.valid, float("-inf"))
 
 
+class _TileGather:
+    """The fine branch's inputs, chunk by chunk of query tiles: for each chunk, the keys and values
+    of every query tile's selected tiles (one contiguous row of 64 x D values per tile of the
+    tile-major buffer) and the padding bias of those tiles, shaped [B*heads, chunk, k*64, D]
+    with the chunk's query tiles as SDPA's head dimension. `reuse`: gather into two buffers
+    reused from chunk to chunk (no autograd through them); else fresh, autograd-tracked copies."""
+
+    def __init__(self, kt: torch.Tensor, vt: torch.Tensor, idx: torch.Tensor, bias: Optional[torch.Tensor], reuse: bool):
+        b, heads, n, s, d = kt.shape
+        self.k = idx.shape[-1]
+        self.bh, self.n, self.s, self.d = b * heads, n, s, d
+        self.key_rows, self.value_rows = kt.reshape(b * heads * n, s * d), vt.reshape(b * heads * n, s * d)
+        offsets = (torch.arange(b * heads, device=idx.device) * n).view(b, heads, 1, 1)
+        self.rows = (idx + offsets).reshape(b * heads, n * self.k)
+        self.tiles = idx.reshape(b * heads, n * self.k)
+        self.bias = bias
+        self.chunk = max(1, GATHER_CHUNK_ELEMENTS // max(1, 2 * b * heads * self.k * s * d))
+        self.buffers = [self.key_rows.new_empty(self.bh * self.chunk * self.k, s * d) for _ in range(2)] if reuse else None
+
+    def _rows(self, source: torch.Tensor, picked: torch.Tensor, which: int) -> torch.Tensor:
+        if self.buffers is None:
+            return source.index_select(0, picked)
+        out = self.buffers[which][: picked.numel()]
+        return torch.index_select(source, 0, picked, out=out)
+
+    def __iter__(self):
+        """(query tiles window, picked rows, keys, values, mask or None) per chunk."""
+        k, s, d = self.k, self.s, self.d
+        for start in range(0, self.n, self.chunk):
+            c = min(self.chunk, self.n - start)
+            cols = slice(start * k, (start + c) * k)
+            picked = self.rows[:, cols].reshape(-1)
+            shape = (self.bh, c, k * s, d)
+            keys = self._rows(self.key_rows, picked, 0).view(shape)
+            values = self._rows(self.value_rows, picked, 1).view(shape)
+            mask = None
+            if self.bias is not None:
+                mask = self.bias.index_select(0, self.tiles[:, cols].reshape(-1)).view(self.bh, c, 1, k * s)
+                mask = mask.expand(self.bh, c, s, k * s)
+            yield slice(start, start + c), picked, keys, values, mask
+
+
 def fine_gathered(qt, kt, vt, idx: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     """Per query tile, SDPA over its selected key tiles gathered from the tile-major buffer. On CPU
-    through `_CpuGatheredAttention` (gathers into reused buffers, keeps no gathered copy for the
-    backward); elsewhere plain SDPA under autograd."""
-    if qt.device.type == "cpu":
-        return _CpuGatheredAttention.apply(qt, kt, vt, idx, _padding_bias(layout, qt.dtype))
-    b, heads, n, s, d = qt.shape
-    k = idx.shape[-1]
-    key_rows, value_rows = kt.reshape(b * heads * n, s * d), vt.reshape(b * heads * n, s * d)
-    rows, chunk = _gather_plan(idx, n, 2 * b * heads * k * s * d)
+    through `_CpuGatheredAttention` (torch's fused CPU kernels, reused buffers, no gathered copy
+    kept for the backward); elsewhere plain SDPA under autograd."""
     bias = _padding_bias(layout, qt.dtype)
+    if qt.device.type == "cpu":
+        return _CpuGatheredAttention.apply(qt, kt, vt, idx, bias)
+    b, heads, n, s, d = qt.shape
     outs = []
-    for start in range(0, n, chunk):
-        c = min(chunk, n - start)
-        picked = rows[:, start * k : (start + c) * k].reshape(-1)
-        keys = key_rows.index_select(0, picked).view(b * heads, c, k * s, d)
-        values = value_rows.index_select(0, picked).view(b * heads, c, k * s, d)
-        mask = None if bias is None else bias.index_select(0, idx[:, :, start : start + c].reshape(-1)).view(b * heads, c, 1, k * s)
-        query = qt[:, :, start : start + c].reshape(b * heads, c, s, d)
-        outs.append(F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).view(b, heads, c, s, d))
+    for window, _, keys, values, mask in _TileGather(kt, vt, idx, bias, reuse=False):
+        query = qt[:, :, window].reshape(keys.shape[0], -1, s, d)
+        outs.append(F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).view(b, heads, -1, s, d))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 class _CpuGatheredAttention(torch.autograd.Function):
-    """The gathered fine branch on CPU with torch's fused CPU attention kernels: each chunk of query
-    tiles gathers its selected key/value tiles into buffers reused from chunk to chunk (fresh
-    multi-megabyte allocations cost more than the copy), and the backward gathers them again
-    instead of keeping them, so memory stays O(L * D) beside the chunk buffers."""
-
-    @staticmethod
-    def _chunks(qt, idx):
-        b, heads, n, s, d = qt.shape
-        k = idx.shape[-1]
-        rows, chunk = _gather_plan(idx, n, 2 * b * heads * k * s * d)
-        for start in range(0, n, chunk):
-            c = min(chunk, n - start)
-            yield start, c, rows[:, start * k : (start + c) * k].reshape(-1)
-
-    @staticmethod
-    def _gathered(rows_src, picked, buffer, shape):
-        out = buffer[: picked.numel()]
-        torch.index_select(rows_src, 0, picked, out=out)
-        return out.view(shape)
+    """The gathered fine branch on CPU through torch's fused CPU attention kernels. The chunks'
+    keys and values are gathered into reused buffers (fresh multi-megabyte allocations cost more
+    than the copy) and gathered again in the backward instead of being kept: the memory saved for
+    the backward is O(L * D)."""
 
     @staticmethod
     def forward(ctx, qt, kt, vt, idx, bias):
         b, heads, n, s, d = qt.shape
-        k = idx.shape[-1]
-        key_rows, value_rows = kt.reshape(b * heads * n, s * d), vt.reshape(b * heads * n, s * d)
-        out = torch.empty_like(qt)
-        lse = None
-        bufs = None
-        for start, c, picked in _CpuGatheredAttention._chunks(qt, idx):
-            if bufs is None:
-                bufs = [key_rows.new_empty(picked.numel(), s * d) for _ in range(2)]
-            shape = (b * heads, c, k * s, d)
-            keys = _CpuGatheredAttention._gathered(key_rows, picked, bufs[0], shape)
-            values = _CpuGatheredAttention._gathered(value_rows, picked, bufs[1], shape)
-            mask = _CpuGatheredAttention._mask(bias, idx, start, c, shape)
-            query = qt[:, :, start : start + c].reshape(b * heads, c, s, d)
+        out, lse = torch.empty_like(qt), None
+        for window, _, keys, values, mask in _TileGather(kt, vt, idx, bias, reuse=True):
+            query = qt[:, :, window].reshape(keys.shape[0], -1, s, d)
             o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, keys, values, attn_mask=mask)
-            out[:, :, start : start + c] = o.view(b, heads, c, s, d)
+            out[:, :, window] = o.view(b, heads, -1, s, d)
             if lse is None:
                 lse = l.new_empty(b * heads, n, s)
-            lse[:, start : start + c] = l
+            lse[:, window] = l
         ctx.save_for_backward(qt, kt, vt, idx, out, lse)
         ctx.bias = bias
         return out
 
     @staticmethod
-    def _mask(bias, idx, start, c, shape):
-        """The padding bias of the chunk's selected tiles, broadcast over the 64 queries of a tile."""
-        if bias is None:
-            return None
-        rows, _, keys, _ = shape
-        picked = bias.index_select(0, idx[:, :, start : start + c].reshape(-1))
-        return picked.view(rows, c, 1, keys).expand(rows, c, TILE_TOKENS, keys)
-
-    @staticmethod
     def backward(ctx, grad_out):
         qt, kt, vt, idx, out, lse = ctx.saved_tensors
         b, heads, n, s, d = qt.shape
-        k = idx.shape[-1]
-        key_rows, value_rows = kt.reshape(b * heads * n, s * d), vt.reshape(b * heads * n, s * d)
         grad_q = torch.empty_like(qt)
-        grad_k_rows, grad_v_rows = torch.zeros_like(key_rows), torch.zeros_like(value_rows)
+        grad_k, grad_v = torch.zeros_like(kt), torch.zeros_like(vt)
+        grad_k_rows, grad_v_rows = grad_k.view(b * heads * n, s * d), grad_v.view(b * heads * n, s * d)
         grad_out = grad_out.contiguous()
-        bufs = None
-        for start, c, picked in _CpuGatheredAttention._chunks(qt, idx):
-            if bufs is None:
-                bufs = [key_rows.new_empty(picked.numel(), s * d) for _ in range(2)]
-            shape = (b * heads, c, k * s, d)
-            keys = _CpuGatheredAttention._gathered(key_rows, picked, bufs[0], shape)
-            values = _CpuGatheredAttention._gathered(value_rows, picked, bufs[1], shape)
-            mask = _CpuGatheredAttention._mask(ctx.bias, idx, start, c, shape)
-            window = slice(start, start + c)
+        for window, picked, keys, values, mask in _TileGather(kt, vt, idx, ctx.bias, reuse=True):
+            rows = keys.shape[0]
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out[:, :, window].reshape(b * heads, c, s, d), qt[:, :, window].reshape(b * heads, c, s, d),
-                keys, values, out[:, :, window].reshape(b * heads, c, s, d), lse[:, window],
-                0.0, False, attn_mask=mask,
+                grad_out[:, :, window].reshape(rows, -1, s, d), qt[:, :, window].reshape(rows, -1, s, d),
+                keys, values, out[:, :, window].reshape(rows, -1, s, d), lse[:, window], 0.0, False, attn_mask=mask,
             )
-            grad_q[:, :, window] = gq.view(b, heads, c, s, d)
+            grad_q[:, :, window] = gq.view(b, heads, -1, s, d)
             grad_k_rows.index_add_(0, picked, gk.reshape(-1, s * d))
             grad_v_rows.index_add_(0, picked, gv.reshape(-1, s * d))
-        return grad_q, grad_k_rows.view_as(kt), grad_v_rows.view_as(vt), None, None
+        return grad_q, grad_k, grad_v, None, None
 
 
 _compiled_flex = None

@@ -90,7 +90,10 @@ def test_selection_count_and_the_tile_layout():
     assert layout.token_of_slot[64:68].tolist() == [4, 5, 6, 11]
 
 
-def test_gathered_gradients_match_the_reference():
+@pytest.mark.parametrize("chunk_elements", [None, 20_000], ids=["one_chunk", "chunks"])
+def test_gathered_gradients_match_the_reference(monkeypatch, chunk_elements):
+    if chunk_elements:  # several chunks of query tiles, each gathered again in the backward
+        monkeypatch.setattr(vsa, "GATHER_CHUNK_ELEMENTS", chunk_elements)
     q, k, v, gate = qkvg(RAGGED, seed=1)
     grads = {}
     for backend in ("reference", "gathered"):
