@@ -88,9 +88,10 @@ def check_backend(backend: Any) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TileLayout:
-    """Where each token of a grid sits in the tile-major buffer (FastVideo's tile metadata)."""
+    """Where each token of a grid sits in the tile-major buffer (FastVideo's tile metadata); one
+    object per (grid, device) (`tile_layout`), compared by identity."""
 
     grid: tuple[int, int, int]
     tiles: tuple[int, int, int]  # tiles along t, h, w
@@ -333,33 +334,49 @@ def _ordered_blocks(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count, indices
 
 
-def selection_block_mask(idx: torch.Tensor, layout: TileLayout):
+@functools.lru_cache(maxsize=32)
+def _padding_mod(layout: TileLayout) -> Callable:
+    """The mask_mod of the compiled kernel, which evaluates it on partial blocks only (the selected
+    edge tiles): it hides their padding slots. One function object per layout, so that the
+    compiled FlexAttention is reused from call to call (a new closure would recompile it)."""
+    valid = layout.valid.reshape(-1)
+
+    def padding_mod(batch, head, q_index, kv_index):
+        return valid[kv_index]
+
+    return padding_mod
+
+
+def selection_block_mask(idx: torch.Tensor, layout: TileLayout, compiled: bool):
     """The FlexAttention BlockMask (block = one tile of 64 slots) of a selection [B, heads, n, k]:
-    selected full tiles are full blocks; selected edge tiles are partial blocks, where `mask_mod`
-    hides the padding slots. `mask_mod` states the whole rule (selection and padding): the compiled
-    kernel evaluates it on partial blocks only, eager FlexAttention on every position."""
+    selected full tiles are full blocks, selected edge tiles partial blocks. Compiled, the kernel
+    visits only these blocks and `mask_mod` hides the padding of partial ones; eager FlexAttention
+    evaluates `mask_mod` everywhere, so there it states the whole rule (selection and padding)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     b, heads, n, _ = idx.shape
     keep = torch.zeros(b, heads, n, n, dtype=torch.bool, device=idx.device).scatter_(-1, idx, True)
     full = keep & layout.full.view(1, 1, 1, n)
     partial = keep & ~layout.full.view(1, 1, 1, n)
-    valid = layout.valid.reshape(-1)
+    if compiled:
+        mask_mod = _padding_mod(layout)
+    else:
+        valid = layout.valid.reshape(-1)
 
-    def selection_mod(batch, head, q_index, kv_index):
-        return keep[batch, head, q_index // TILE_TOKENS, kv_index // TILE_TOKENS] & valid[kv_index]
+        def mask_mod(batch, head, q_index, kv_index):
+            return keep[batch, head, q_index // TILE_TOKENS, kv_index // TILE_TOKENS] & valid[kv_index]
 
     full_count, full_indices = _ordered_blocks(full)
     partial_count, partial_indices = _ordered_blocks(partial)
     return BlockMask.from_kv_blocks(
         partial_count, partial_indices, full_count, full_indices,
-        BLOCK_SIZE=TILE_TOKENS, mask_mod=selection_mod, seq_lengths=(n * TILE_TOKENS, n * TILE_TOKENS),
+        BLOCK_SIZE=TILE_TOKENS, mask_mod=mask_mod, seq_lengths=(n * TILE_TOKENS, n * TILE_TOKENS),
     )
 
 
 def fine_flex(qt, kt, vt, idx: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     b, heads, n, s, d = qt.shape
-    mask = selection_block_mask(idx, layout)
+    mask = selection_block_mask(idx, layout, compiled=qt.is_cuda)
     flat = [x.reshape(b, heads, n * s, d) for x in (qt, kt, vt)]
     return _flex_attention(*flat, mask).view(b, heads, n, s, d)
 

@@ -91,6 +91,18 @@ def test_selection_count_and_the_tile_layout():
 
 
 @pytest.mark.parametrize("chunk_elements", [None, 20_000], ids=["one_chunk", "chunks"])
+def test_the_compiled_flex_block_mask_visits_exactly_the_selected_tiles():
+    """On CUDA FlexAttention runs compiled and visits only the blocks of its BlockMask; its
+    mask_mod then hides padding only, one function per grid (no recompilation per call)."""
+    layout = vsa.tile_layout(RAGGED)
+    idx = torch.topk(torch.randn(2, 3, layout.num_tiles, layout.num_tiles, generator=torch.Generator().manual_seed(0)), 3, -1).indices
+    mask = vsa.selection_block_mask(idx, layout, compiled=True)
+    keep = torch.zeros(2, 3, 8, 8, dtype=torch.bool).scatter_(-1, idx, True)
+    assert torch.equal(mask.to_dense().bool(), keep)
+    assert torch.equal(mask.full_kv_num_blocks, (keep & layout.full).sum(-1).int())  # edge tiles are partial
+    assert mask.mask_mod is vsa.selection_block_mask(idx.flip(-1), layout, compiled=True).mask_mod
+
+
 def test_gathered_gradients_match_the_reference(monkeypatch, chunk_elements):
     if chunk_elements:  # several chunks of query tiles, each gathered again in the backward
         monkeypatch.setattr(vsa, "GATHER_CHUNK_ELEMENTS", chunk_elements)
