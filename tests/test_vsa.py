@@ -90,7 +90,6 @@ def test_selection_count_and_the_tile_layout():
     assert layout.token_of_slot[64:68].tolist() == [4, 5, 6, 11]
 
 
-@pytest.mark.parametrize("chunk_elements", [None, 20_000], ids=["one_chunk", "chunks"])
 def test_the_compiled_flex_block_mask_visits_exactly_the_selected_tiles():
     """On CUDA FlexAttention runs compiled and visits only the blocks of its BlockMask; its
     mask_mod then hides padding only, one function per grid (no recompilation per call)."""
@@ -103,6 +102,7 @@ def test_the_compiled_flex_block_mask_visits_exactly_the_selected_tiles():
     assert mask.mask_mod is vsa.selection_block_mask(idx.flip(-1), layout, compiled=True).mask_mod
 
 
+@pytest.mark.parametrize("chunk_elements", [None, 20_000], ids=["one_chunk", "chunks"])
 def test_gathered_gradients_match_the_reference(monkeypatch, chunk_elements):
     if chunk_elements:  # several chunks of query tiles, each gathered again in the backward
         monkeypatch.setattr(vsa, "GATHER_CHUNK_ELEMENTS", chunk_elements)
