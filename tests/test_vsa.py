@@ -281,3 +281,26 @@ def test_an_unsupported_family_refuses_in_one_line():
     with pytest.raises(ValueError, match="does not serve LTXVideoTransformer3DModel: it serves Wan") as err:
         enable_vsa(LTXVideoTransformer3DModel(**TINY_LTX_TRANSFORMER_CONFIG), sparsity=0.5)
     assert "\n" not in str(err.value)
+
+
+def test_a_stock_wan_pipeline_samples_with_trained_gates(tiny_model_dir, tmp_path):
+    from diffusers import WanPipeline
+
+    trained = WanPipeline.from_pretrained(tiny_model_dir)
+    enable_vsa(trained.transformer, sparsity=0.5)
+    with torch.no_grad():
+        for block in trained.transformer.blocks:
+            torch.nn.init.normal_(block.attn1.to_gate_compress.weight, std=0.1)
+    trained.transformer.save_pretrained(tmp_path / "transformer")
+
+    pipe = WanPipeline.from_pretrained(tiny_model_dir)  # stock load: the gates are not in the model folder
+    controller = enable_vsa(pipe.transformer, sparsity=0.5)
+    assert load_vsa_gates(pipe.transformer, tmp_path / "transformer") == 4
+    kwargs = dict(prompt="a red ball moving left", num_frames=17, height=64, width=64, num_inference_steps=2,
+                  guidance_scale=3.0, output_type="latent")
+    sparse = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).frames
+    with controller.dense():
+        dense = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).frames
+    # Latents 16 x 5 x 8 x 8: a 5 x 4 x 4 token grid, 2 tiles, 1 kept at sparsity 0.5.
+    assert sparse.shape == (1, 16, 5, 8, 8) and torch.isfinite(sparse).all()
+    assert (sparse - dense).abs().max().item() > 1e-3
