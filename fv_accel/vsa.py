@@ -489,7 +489,9 @@ def video_sparse_attention(
     return fine + (coarse if gate is None else coarse * gate)
 
 
-def attention_flops(grid: tuple[int, int, int], heads: int, head_dim: int, sparsity: Optional[float], batch: int = 1) -> float:
+def attention_flops(
+    grid: tuple[int, int, int], heads: int, head_dim: int, sparsity: Optional[float], batch: int = 1
+) -> float:
     """Forward FLOPs of the attention matmuls (2 per multiply-add): dense SDPA when `sparsity` is
     None; else VSA as its kernel computes it (fine branch over 64 slots per selected tile, the
     coarse branch over tiles)."""
@@ -708,7 +710,10 @@ def enable_vsa(transformer: torch.nn.Module, sparsity: float, backend: str = "au
     rope = getattr(transformer, family.rope_attr)
     setattr(transformer, family.rope_attr, VSARotaryEmbedding(rope, controller, patch_size))
     transformer.vsa = controller
-    logger.info("VSA on %s (%s): sparsity %s, backend %s, %d new gates", type(transformer).__name__, family.family, sparsity, backend, added)
+    logger.info(
+        "VSA on %s (%s): sparsity %s, backend %s, %d new gates",
+        type(transformer).__name__, family.family, sparsity, backend, added,
+    )
     return controller
 
 
@@ -774,6 +779,8 @@ def load_vsa_gates(transformer: torch.nn.Module, source: Union[str, Path, Mappin
         raise KeyError(f"VSA gates: {where} has no {missing[0]} ({len(missing)} of {len(own)} gate tensors missing)")
     for key, tensor in gates.items():
         if key in own and tuple(tensor.shape) != tuple(own[key].shape):
-            raise ValueError(f"VSA gates: {key} has shape {tuple(tensor.shape)}, the transformer's is {tuple(own[key].shape)}")
+            raise ValueError(
+                f"VSA gates: {key} has shape {tuple(tensor.shape)}, the transformer's is {tuple(own[key].shape)}"
+            )
     transformer.load_state_dict({k: gates[k] for k in own}, strict=False)
     return len(own)
