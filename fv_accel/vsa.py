@@ -701,6 +701,9 @@ def enable_vsa(transformer: torch.nn.Module, sparsity: float, backend: str = "au
         controller.backend = backend
         return controller
     family = vsa_family(transformer)
+    if getattr(transformer, "causal_attention", None) is not None:
+        # Its self-attention processors hold the block-causal rule, which VSA's would replace.
+        raise ValueError(f"video sparse attention does not combine with block-causal attention on {type(transformer).__name__}")
     patch_size = tuple(int(p) for p in transformer.config.patch_size)
     controller = VSAController(family.family, sparsity, backend)
     added = 0

@@ -283,6 +283,15 @@ def test_an_unsupported_family_refuses_in_one_line():
     assert "\n" not in str(err.value)
 
 
+def test_a_block_causal_transformer_refuses_vsa():
+    from fv_accel.models.attention import CausalSpec, install_causal_attention
+
+    tr = tiny_transformer()
+    install_causal_attention(tr, CausalSpec(block_size=1))
+    with pytest.raises(ValueError, match="does not combine with block-causal attention"):
+        enable_vsa(tr, sparsity=0.5)
+
+
 def test_a_stock_wan_pipeline_samples_with_trained_gates(tiny_model_dir, tmp_path):
     from diffusers import WanPipeline
 
