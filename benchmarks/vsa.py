@@ -45,6 +45,9 @@ SPARSITIES = (0.5, 0.8, 0.9)
 HEADS, HEAD_DIM = 12, 128  # Wan 2.1 1.3B
 GRIDS = {"quick": (4, 8, 16), "cpu": (4, 30, 52), "gpu": (21, 30, 52)}
 STEP_RECIPES = {"quick": "tiny", "cpu": "small", "gpu": "small"}
+# Latent frames of the training-step comparison: the recipe's (None), and a longer clip at the
+# same resolution, where self-attention is a larger share of the step.
+STEP_LATENT_T = {"quick": [None], "cpu": [None, 8], "gpu": [None, 21]}
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -55,7 +58,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--step-rounds", type=int, default=None, help="rounds of the training-step comparison (default: quick 2, else 5)")
     p.add_argument("--grid", type=int, nargs=3, default=None, help="token grid T H W of the attention layer")
     p.add_argument("--sparsities", type=float, nargs="+", default=list(SPARSITIES))
+    p.add_argument("--step-latent-t", type=int, nargs="+", default=None,
+                   help="latent frames of the training-step runs (default: the recipe's, and 8 on CPU / 21 on GPU)")
     p.add_argument("--skip-step", action="store_true", help="only the attention layer")
+    p.add_argument("--skip-attention", action="store_true", help="only the training step")
     p.add_argument("--out", type=Path, default=C.RESULTS_DIR)
     p.add_argument("--name", default=None, help="base name of the result files (default: vsa, vsa_quick, vsa_gpu)")
     args = p.parse_args(argv)
@@ -68,6 +74,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     args.rounds = args.rounds or {"quick": 2, "cpu": 3, "gpu": 5}[args.mode]
     args.step_rounds = args.step_rounds or (2 if args.mode == "quick" else 5)
     args.grid = tuple(args.grid) if args.grid else GRIDS[args.mode]
+    args.step_latent_t = args.step_latent_t or STEP_LATENT_T[args.mode]
     args.name = args.name or {"quick": "vsa_quick", "cpu": "vsa", "gpu": "vsa_gpu"}[args.mode]
     return args
 
@@ -180,10 +187,10 @@ def step_flops(transformer: torch.nn.Module, grid, text_tokens: int, sparsity: O
     return dense - dense_self + sparse_self + gates
 
 
-def measure_step(args: argparse.Namespace, device: torch.device) -> dict:
+def measure_step(args: argparse.Namespace, device: torch.device, latent_t: Optional[int]) -> dict:
     from fv_accel.config import load_config
 
-    size = C.bench_size(STEP_RECIPES[args.mode])
+    size = C.bench_size(STEP_RECIPES[args.mode], num_latent_t=latent_t)
     cfg = load_config(size.recipe)
     mixed = "bf16" if device.type == "cuda" else "no"
     c, t, h, w = size.latent_shape
@@ -239,29 +246,39 @@ def fmt_time(stats: Optional[dict]) -> str:
     return "-" if not stats else f"{stats['median']:.3f}"
 
 
-def to_markdown(payload: dict) -> str:
-    a, lines = payload["attention"], []
-    lines += [f"# Video sparse attention vs dense ({payload['mode']} mode)", "",
-              f"Machine: {C.machine_line(payload['machine'])}.", f"Command: `{payload['command']}`", "",
-              f"## One attention layer: {a['grid'][0]} x {a['grid'][1]} x {a['grid'][2]} tokens ({a['tokens']}, "
-              f"{a['tiles']} tiles), {a['heads']} heads of {a['head_dim']}, batch 1, {a['dtype']} on {a['device']}", "",
-              f"Seconds per call, median over {a['rounds']} rounds; speed-up = dense / variant in the same round, "
-              "median (min-max); FLOPs analytic, forward.", ""]
+def attention_markdown(a: dict) -> list[str]:
+    lines = [f"## One attention layer: {a['grid'][0]} x {a['grid'][1]} x {a['grid'][2]} tokens ({a['tokens']}, "
+             f"{a['tiles']} tiles), {a['heads']} heads of {a['head_dim']}, batch 1, {a['dtype']} on {a['device']}", "",
+             f"Seconds per call, median over {a['rounds']} rounds; speed-up = dense / variant in the same round, "
+             "median (min-max); FLOPs analytic, forward.", ""]
     header = ["variant", "kept tiles", "GFLOP fwd", "FLOP ratio", "fwd s", "fwd speed-up", "fwd+bwd s", "fwd+bwd speed-up"]
     rows = [[v["name"], v["kept_tiles"] or "all", f"{v['flops_fwd'] / 1e9:.1f}", f"{v['flop_ratio']:.2f}x",
              fmt_time(v.get("fwd_s")), fmt_ratio(v.get("fwd_speedup")), fmt_time(v.get("fwd+bwd_s")),
              fmt_ratio(v.get("fwd+bwd_speedup"))] for v in a["variants"]]
-    lines += [C.markdown_table(header, rows), ""]
-    s = payload.get("step")
-    if s:
-        lines += [f"## A training step: the {s['size']} benchmark model ({s['recipe']}), latent "
-                  f"{'x'.join(map(str, s['latent_shape']))} = {s['grid'][0]} x {s['grid'][1]} x {s['grid'][2]} tokens "
-                  f"({s['tiles']} tiles), batch 1, VSA backend {s['vsa_backend']}, mixed precision {s['mixed_precision']}", "",
-                  f"Bare loop (noise, loss, backward, AdamW), {s['rounds']} rounds of {s['steps_per_round']} step(s) per variant; "
-                  "FLOPs analytic (telemetry's count, self-attention replaced by VSA's, gate projections added).", ""]
-        rows = [[v["name"], fmt_time(v["step_s"]), fmt_ratio(v["speedup"]), f"{v['flops'] / 1e9:.1f}",
-                 f"{v['flop_ratio']:.2f}x"] for v in s["variants"]]
-        lines += [C.markdown_table(["variant", "step s", "speed-up", "GFLOP", "FLOP ratio"], rows), ""]
+    return lines + [C.markdown_table(header, rows), ""]
+
+
+def step_markdown(s: dict) -> list[str]:
+    padded = s["tiles"] * vsa.TILE_TOKENS
+    lines = [f"## A training step: the {s['size']} benchmark model ({s['recipe']}), latent "
+             f"{'x'.join(map(str, s['latent_shape']))} = {s['grid'][0]} x {s['grid'][1]} x {s['grid'][2]} tokens "
+             f"({math.prod(s['grid'])} tokens in {s['tiles']} tiles = {padded} slots), batch 1, VSA backend "
+             f"{s['vsa_backend']}, mixed precision {s['mixed_precision']}", "",
+             f"Bare loop (noise, loss, backward, AdamW), {s['rounds']} rounds of {s['steps_per_round']} step(s) per "
+             "variant; FLOPs analytic (telemetry's count, self-attention replaced by VSA's over 64 slots per tile, "
+             "gate projections added).", ""]
+    rows = [[v["name"], fmt_time(v["step_s"]), fmt_ratio(v["speedup"]), f"{v['flops'] / 1e9:.1f}",
+             f"{v['flop_ratio']:.2f}x"] for v in s["variants"]]
+    return lines + [C.markdown_table(["variant", "step s", "speed-up", "GFLOP", "FLOP ratio"], rows), ""]
+
+
+def to_markdown(payload: dict) -> str:
+    lines = [f"# Video sparse attention vs dense ({payload['mode']} mode)", "",
+             f"Machine: {C.machine_line(payload['machine'])}.", f"Command: `{payload['command']}`", ""]
+    if payload.get("attention"):
+        lines += attention_markdown(payload["attention"])
+    for step in payload.get("steps", []):
+        lines += step_markdown(step)
     lines += [f"Finished {payload['finished']}."]
     return "\n".join(lines)
 
@@ -273,9 +290,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     payload: dict[str, Any] = {"benchmark": "vsa", "mode": args.mode, "command": C.command_line("vsa.py", argv),
                                "machine": C.machine_info(), "kernel_available": vsa.kernel_available()}
-    payload["attention"] = measure_attention(args, device, dtype)
+    if not args.skip_attention:
+        payload["attention"] = measure_attention(args, device, dtype)
     if not args.skip_step:
-        payload["step"] = measure_step(args, device)
+        payload["steps"] = [measure_step(args, device, t) for t in args.step_latent_t]
     payload["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     md = to_markdown(payload)
     paths = C.write_results(args.out, args.name, payload, md)
