@@ -313,3 +313,30 @@ def test_a_stock_wan_pipeline_samples_with_trained_gates(tiny_model_dir, tmp_pat
     # Latents 16 x 5 x 8 x 8: a 5 x 4 x 4 token grid, 2 tiles, 1 kept at sparsity 0.5.
     assert sparse.shape == (1, 16, 5, 8, 8) and torch.isfinite(sparse).all()
     assert (sparse - dense).abs().max().item() > 1e-3
+
+
+def test_the_benchmark_runs_its_quick_mode(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the benchmark sets it with setdefault at import
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "vsa.py"
+    spec = importlib.util.spec_from_file_location("fv_bench_vsa", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--quick", "--rounds", "1", "--step-rounds", "1", "--sparsities", "0.8", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "vsa_quick.json").read_text())
+    attention = data["attention"]
+    assert attention["grid"] == [4, 8, 16] and attention["tiles"] == 8
+    names = [v["name"] for v in attention["variants"]]
+    assert names == ["dense", "gathered s=0.8", "flex s=0.8"]
+    for v in attention["variants"]:
+        assert v["fwd_s"]["n"] == 1 and v["fwd_s"]["median"] > 0
+        assert ("fwd+bwd_s" in v) == (v["backend"] != "flex")  # no FlexAttention backward on CPU
+        assert v["flops_fwd"] == vsa.attention_flops((4, 8, 16), 12, 128, v["sparsity"])
+    (step,) = data["steps"]
+    assert [v["name"] for v in step["variants"]] == ["dense", "vsa s=0.8"]
+    assert all(v["step_s"]["median"] > 0 for v in step["variants"])
+    md = (tmp_path / "vsa_quick.md").read_text()
+    assert "| gathered s=0.8 | 2/8 |" in md and "## A training step" in md
