@@ -26,9 +26,11 @@ Backends (`backend=`), all returning the same numbers up to floating-point summa
 - `flex`: PyTorch FlexAttention on the tile-major buffer with a `BlockMask` of block size 64 (one
   tile) built from the selected tiles; padding slots are masked by a `mask_mod` on edge tiles only.
   Compiled on CUDA. torch 2.13 has no FlexAttention backward on CPU: there it runs forward only.
-- `gathered`: per query tile, SDPA over the selected key tiles gathered from the tile-major buffer
-  (query tiles in chunks to bound memory). Plain PyTorch with gradients on every device; memory
-  grows with the kept fraction `(1 - sparsity) * L^2`, never with a dense `[L, L]` mask.
+- `gathered`: per query tile, SDPA over the selected key tiles gathered from the tile-major buffer,
+  query tiles in chunks. Gradients on every device. On CPU a custom autograd function over torch's
+  fused CPU attention kernels gathers into reused buffers and gathers again in the backward, so
+  the memory kept for the backward is O(L * D); elsewhere plain SDPA under autograd keeps the
+  gathered keys/values, `(1 - sparsity) * L^2 * D / 32` elements per head.
 - `reference`: SDPA in raster order with the dense `[B, heads, L, L]` token mask of the selection
   (tests and small checks only).
 - `auto`: `kernel` on CUDA when importable and the dtype and head size suit it, else `flex` on
