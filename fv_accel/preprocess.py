@@ -9,8 +9,11 @@ and a `caption`/`prompt` column; or a Hugging Face dataset (a `save_to_disk` fol
 data files, or a Hub id in the local cache) with a video column and a caption column.
 
 Output: FastVideo-schema Parquet shards `data-SSSSS-of-NNNNN.parquet` (clip i goes to shard
-i // shard_size, in input order), `fv_dataset.json` (model and VAE latent statistics) and
-`skipped.jsonl` (every clip left out, with its path and reason).
+i // shard_size, in input order), `fv_dataset.json` (model and VAE latent statistics),
+`unconditional_text.safetensors` (the encoding of the prompt the model's pipeline gives its
+unconditional branch, which caption dropout trains on) and `skipped.jsonl` (every clip left out,
+with its path and reason). Captions are encoded as the model's pipeline encodes a prompt (the Wan
+family's text cleaning included); the `caption` column holds the text that was encoded.
 
 Nothing is lost to an interruption but the clip in flight: each encoded clip is written at once
 (atomically) to `.fv_pending/<key>.parquet`, where the key hashes the clip's bytes, its caption and
@@ -41,8 +44,10 @@ from fv_accel.data.schema import (
     SHARD_RE,
     make_row,
     tensor_columns,
+    unconditional_text_metadata,
     write_dataset_info,
     write_rows,
+    write_unconditional_text,
 )
 from fv_accel.data.video import (
     MEDIA_EXTENSIONS,
@@ -491,6 +496,13 @@ def preprocess(
     else:
         spec = getattr(encoder, "spec", None)
     conditioning = spec.conditioning if spec is not None else ("text",)
+    # The family pipeline's text rules: the caption cleaning its encoder applies, and the prompt of
+    # its unconditional branch (what caption dropout trains on).
+    if family is not None:
+        pipeline_prompt, unconditional_prompt = family.pipeline_prompt, family.unconditional_prompt
+    else:
+        pipeline_prompt = getattr(encoder, "pipeline_prompt", lambda caption: caption)
+        unconditional_prompt = getattr(encoder, "unconditional_prompt", "")
     problem = spec.bucket_problem(sampling.buckets, f"'{model}'") if spec is not None else None
     if problem:
         raise InputError(f"--buckets {problem}")
@@ -539,7 +551,7 @@ def preprocess(
             sample_id=clip.name,
             latent=latent,
             text_embedding=text,
-            caption=clip.caption.strip(),
+            caption=pipeline_prompt(clip.caption.strip()),
             file_name=clip.name,
             media_type="image" if image else "video",
             width=w,
@@ -575,7 +587,8 @@ def preprocess(
                     stats.skipped.append((clip.index, clip.name, "unreadable", f"cannot read the file ({err})"))
                     content = None
                 if content is not None:
-                    key = clip_key(content, clip.caption, fingerprint)
+                    # Keyed by the text the model encodes: a row encoded from other text is not reused.
+                    key = clip_key(content, pipeline_prompt(clip.caption.strip()), fingerprint)
                     row = store.get(key) if key in store else None
                     if row is not None:
                         stats.reused += 1
@@ -615,6 +628,7 @@ def preprocess(
         barrier()
     result = PreprocessResult(0, 0, 0, 0, 0.0, output, form, world_size)
     if rank == 0:
+        ensure_unconditional_text(output, unconditional_prompt, fingerprint, get_encoder)
         if encoder is not None and hasattr(encoder, "latent_statistics"):
             stats_found = encoder.latent_statistics()
         elif encoder is not None:  # an encoder without the method: its VAE's config says
@@ -627,6 +641,15 @@ def preprocess(
     if world_size > 1:
         barrier()
     return result
+
+
+def ensure_unconditional_text(output: Path, prompt: str, fingerprint: str, get_encoder: Callable[[], Any]) -> None:
+    """Encode the pipeline's unconditional `prompt` into the dataset's unconditional text file, unless
+    the file already holds it for these settings (then no encoder is loaded)."""
+    stored = unconditional_text_metadata(output) or {}
+    if (stored.get("prompt"), stored.get("fingerprint")) != (prompt, fingerprint):
+        columns = dict(get_encoder().encode_caption(prompt))
+        write_unconditional_text(output, columns, prompt=prompt, fingerprint=fingerprint)
 
 
 def _finish(

@@ -125,6 +125,9 @@ class ModelBase:
     per_frame_refusal: ClassVar[str] = "its transformer takes one timestep per sample"
     # Whether ComfyUI has a LoRA key layout for the family (`comfyui_module_name` maps to it).
     comfyui_lora: ClassVar[bool] = False
+    # The prompt whose encoding the family's pipeline feeds its unconditional (classifier-free
+    # guidance) branch by default: what caption dropout (`training_cfg_rate`) trains on.
+    unconditional_prompt: ClassVar[str] = ""
 
     transformer: torch.nn.Module
     _trainable: bool = True
@@ -146,6 +149,12 @@ class ModelBase:
     def comfyui_module_name(cls, module: str) -> str:
         """diffusers module name -> the name ComfyUI's LoRA files use for this family."""
         raise ValueError(f"the {cls.family} family has no ComfyUI LoRA layout (module {module!r})")
+
+    @classmethod
+    def pipeline_prompt(cls, caption: str) -> str:
+        """The text the family's pipeline encodes for a prompt: its text cleaning (none by default).
+        The family's encoder applies the same rule (`FamilyEncoder.pipeline_prompt`)."""
+        return caption
 
     @classmethod
     def transformer_class_names(cls) -> list[str]:

@@ -34,6 +34,15 @@ IMAGE_TO_VIDEO_PIPELINES = ("WanImageToVideoPipeline",)
 MASK_CHANNELS = 4
 
 
+def wan_prompt_clean(text: str) -> str:
+    """The text the Wan and SkyReels-V2 pipelines hand their tokenizer for a prompt: diffusers' own
+    `prompt_clean` (ftfy's text fixes, HTML unescaped twice, runs of whitespace made one space,
+    stripped)."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    return prompt_clean(text)
+
+
 @dataclass(frozen=True)
 class EncodingSpec:
     """What preprocessing stores for a model and at which geometry, from its configs alone."""
@@ -109,8 +118,14 @@ class FamilyEncoder:
 
     def encode_caption(self, caption: str) -> dict[str, torch.Tensor]:
         """The caption's columns: `text_embedding` [L, D] (real tokens only; the loader pads), and
-        where the family has them `pooled_text_embedding` [D] and `text_embedding_2` [L2, D2]."""
+        where the family has them `pooled_text_embedding` [D] and `text_embedding_2` [L2, D2];
+        computed from the caption as the family's pipeline computes a prompt's (its text cleaning
+        included)."""
         raise NotImplementedError
+
+    def pipeline_prompt(self, caption: str) -> str:
+        """The text the family's pipeline encodes for a prompt (its text cleaning; none here)."""
+        return caption
 
     def encode_frames_conditioning(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
         """Image-to-video columns of a clip ({} for a text-to-video model)."""
@@ -211,6 +226,9 @@ class TextVideoEncoder(FamilyEncoder):
     def encode_caption(self, caption: str) -> dict[str, torch.Tensor]:
         return {"text_embedding": self.encode_text(caption)}
 
+    def pipeline_prompt(self, caption: str) -> str:
+        return wan_prompt_clean(caption)
+
     def encode_frames_conditioning(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
         return self.encode_conditioning(frames)
 
@@ -227,9 +245,10 @@ class TextVideoEncoder(FamilyEncoder):
 
     @torch.no_grad()
     def encode_text(self, caption: str) -> torch.Tensor:
-        """[L, D] embeddings of the caption's real tokens (padding is added by the loader)."""
+        """[L, D] embeddings of the caption's real tokens (padding is added by the loader), the caption
+        cleaned as the Wan pipelines clean a prompt (`wan_prompt_clean`)."""
         tok = self.tokenizer(
-            [caption],
+            [self.pipeline_prompt(caption)],
             padding="max_length",
             max_length=self.text_max_length,
             truncation=True,

@@ -291,6 +291,13 @@ class WanStudent(DiffusersStudent):
     def comfyui_module_name(cls, module: str) -> str:
         return wan_comfyui_module_name(module)
 
+    @classmethod
+    def pipeline_prompt(cls, caption: str) -> str:
+        """The Wan and SkyReels-V2 pipelines' `prompt_clean` (fv_accel.models.encoders.wan_prompt_clean)."""
+        from fv_accel.models.encoders import wan_prompt_clean
+
+        return wan_prompt_clean(caption)
+
     # ---- preprocessing and validation ----
     @classmethod
     def encoding_spec(cls, model: str, revision: Optional[str] = None) -> Any:

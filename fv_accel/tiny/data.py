@@ -35,7 +35,8 @@ def tiny_dataset_dir(data_cfg, cache_dir: Optional[str] = None) -> Path:
         "h": data_cfg.tiny_height,
         "w": data_cfg.tiny_width,
         "seed": data_cfg.seed,
-        "v": 3,  # 3: the tiny VAE that reconstructs the clips (fv_accel.tiny.vae)
+        # 3: the tiny VAE that reconstructs the clips (fv_accel.tiny.vae); 4: unconditional_text.safetensors
+        "v": 4,
     }
     key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir or data_cfg.tiny_cache_dir or default_cache_dir())
