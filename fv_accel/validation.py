@@ -773,18 +773,21 @@ class VideoSamplingCallback(TrainerCallback):
         per_frame = student.capabilities.per_frame_timesteps
 
         def predict(x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-            if clean:  # the condition frames stay the clean first frame at t = 0
-                x, t = x.clone(), t.clone()
-                x[:, :, :clean], t[:, :clean] = first, 0.0
-            # One chunk (no chunk size): every frame is at the same level, one timestep per sample.
-            return student.forward(x, t if per_frame else t[:, 0], cond)
+            # One chunk (no chunk size): every sampled frame is at the same level, one timestep per sample.
+            single = t[:, 0]
+            if clean:  # the sampled frames follow the condition frames, the clean first frame at t = 0
+                x = torch.cat([first.expand(x.shape[0], -1, -1, -1, -1), x], dim=2)
+                t = torch.cat([t.new_zeros(t.shape[0], clean), t], dim=1)
+            return student.forward(x, t if per_frame else single, cond)[:, :, clean:]
 
-        # Without a chunk size (a fine-tuned non-Wan student) the whole clip is one chunk.
+        # The chunks start after the condition frames, as in training (DFSFT's noise chunks and a
+        # causal student's attention blocks). Without a chunk size (a fine-tuned non-Wan student)
+        # the sampled frames are one chunk.
         x = sample_diffusion_forcing(
             predict,
-            noise,
+            noise[:, :, clean:],
             text,
-            chunk_size=chunk_size or shape[2],
+            chunk_size=chunk_size or shape[2] - clean,
             num_inference_steps=p.sampling_steps,
             shift=self.val.sampling_flow_shift,
             guidance_scale=p.guidance_scale,
@@ -795,7 +798,7 @@ class VideoSamplingCallback(TrainerCallback):
             causal=getattr(student, "causal_block_size", None) is not None,
         )
         if clean:
-            x[:, :, :clean] = first
+            x = torch.cat([first.to(x.dtype), x], dim=2)
         return x
 
     def _reference_clips(self, student: Any) -> list[tuple[torch.Tensor, np.ndarray]]:

@@ -367,8 +367,15 @@ class WanStudent(DiffusersStudent):
                 "student one expert at a time (high_noise, low_noise)"
             )
         self.causal_block_size = parse_chunk_size(cfg.method.chunk_size)
-        spec = CausalSpec(self.causal_block_size, st.local_attn_size, st.sink_size)
+        # A clean condition frame is a block of its own, the chunks follow it (as DFSFT's noise chunks).
+        spec = CausalSpec(self.causal_block_size, st.local_attn_size, st.sink_size, prefix_frames=self.condition_frames)
         self.causal_attention = install_causal_attention(self.transformer, spec, st.causal_attention_backend)
+
+    @property
+    def condition_frames(self) -> int:
+        """Leading latent frames given clean: the first frame, for image-to-video on an
+        `expand_timesteps` model (Wan2.2-TI2V-5B); 0 otherwise."""
+        return 1 if self.task == "i2v" and self.layout.expand_timesteps and not self.condition_channels else 0
 
     def input_dtype_of(self, module: torch.nn.Module) -> torch.dtype:
         # The patch embedding's dtype, not the first parameter's: diffusers keeps some tables in fp32.
@@ -446,8 +453,8 @@ class WanStudent(DiffusersStudent):
         cond = super().build_conditioning(batch)
         if self.task != "i2v":
             return cond
-        if self.layout.expand_timesteps and not self.condition_channels:
-            cond.clean_frames = 1  # the first latent frame is the condition itself
+        if self.condition_frames:
+            cond.clean_frames = self.condition_frames  # the first latent frame is the condition itself
         else:
             first = batch.get("first_frame_latent")
             if first is None:
