@@ -45,11 +45,13 @@ class Conditioning:
     text_2_mask: Optional[torch.Tensor] = None  # [B, L2]
     extras: dict = field(default_factory=dict)  # family-specific tensors, [B, ...] each
 
-    # The text-derived fields: what `unconditional` zeros and what CFG dropout zeros in the data.
+    # The text-derived fields: what `unconditional` zeros.
     TEXT_FIELDS = ("text", "pooled_text", "text_2")
 
     def unconditional(self) -> "Conditioning":
-        """The text dropped (zeros); image conditions stay (they are not what guidance removes)."""
+        """The text zeroed; image conditions stay (they are not what guidance removes). Caption
+        dropout trains the pipeline's own unconditional text instead (the encoding of the family's
+        `unconditional_prompt`, stored by preprocessing; fv_accel/data/loader.py)."""
         return replace(
             self, **{name: torch.zeros_like(getattr(self, name)) for name in self.TEXT_FIELDS if getattr(self, name) is not None}
         )
