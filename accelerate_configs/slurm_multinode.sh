@@ -17,8 +17,8 @@
 # instead of ending the launch), waits while they finish the step, save a checkpoint and exit 0.
 # The trainer names the checkpoint in $FV_ACCEL_STOPPED_FILE; then the script requeues the job
 # (scontrol requeue) and exits 0. The run always passes --resume_from_checkpoint latest, so the
-# requeued job continues from that checkpoint (a first run starts fresh). README "Checkpoints,
-# resume and faults".
+# requeued job continues from that checkpoint (a first run starts fresh). See
+# docs/checkpoints-and-faults.md.
 #SBATCH --job-name=fv_accel
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1

@@ -44,7 +44,7 @@ MODES = {
     "full-ckpt": {"lora": False, "ckpt": True},
     "lora": {"lora": True, "ckpt": False},
     "lora-ckpt": {"lora": True, "ckpt": True},
-    # The speed and memory options (README "Performance"): repeated-block compilation, and the
+    # The speed and memory options (docs/performance.md): repeated-block compilation, and the
     # frozen base stored in fp8 under LoRA.
     "full-compile": {"lora": False, "ckpt": False, "overrides": {"training.model.compile": "blocks"}},
     "full-ckpt-compile": {"lora": False, "ckpt": True, "overrides": {"training.model.compile": "blocks"}},

@@ -368,10 +368,10 @@ def resolve_data_path(cfg: RunConfig, accelerator) -> str:
         from fv_accel.data.schema import local_dataset_path
 
         return local_dataset_path(path)  # hf://<repo>: its snapshot in the local Hugging Face cache
-    from fv_accel.tiny.data import ensure_tiny_dataset
+    from fv_accel.tiny import tiny_dataset
 
     with accelerator.main_process_first():
-        return str(ensure_tiny_dataset(cfg.training.data))
+        return str(tiny_dataset(cfg.training.data))
 
 
 def _latent_stats_from_dataset(cfg: RunConfig, data_path: str) -> None:
@@ -482,87 +482,29 @@ def build_from_config(
     accelerator: Any = None,
     callbacks: Optional[list] = None,
 ) -> BuiltRun:
-    """Build the method (with its student, optimizer, LR schedule), the loader and the start step."""
-    from accelerate.utils import set_seed
-
-    from fv_accel.checkpoint import (
-        check_resume_compatible,
-        load_checkpoint,
-        read_metadata,
-        resolve_resume,
-        resumed_trainer_state,
-        verify_resume_checkpoint,
-    )
-    from fv_accel.data.loader import build_train_loader
-    from fv_accel.ema import check_ema_supported
-    from fv_accel.methods import METHODS
-    from fv_accel.models import build_student
-    from fv_accel.models.context_parallel import data_parallel_layout
-    from fv_accel.optim import build_lr_scheduler, build_optimizer
-    from fv_accel.output_dir import check_output_dir, claim_output_dir
-
+    """Build the method (with its student, optimizer, LR schedule), the loader and the start step,
+    in the recipe's order: the checkpoint section (resume), the engine, the data, the student and
+    method, the optimizer, the loader, the engine's prepare, then the output folder's lock,
+    callbacks, resumed state and trackers."""
     cfg = path_or_dict if isinstance(path_or_dict, RunConfig) else load_config(path_or_dict, overrides)
     # Everything that can be wrong with the recipe, the data or the output folder is checked before
     # anything is written to the output folder.
-    ck = cfg.training.checkpoint
-    resume = resolve_resume(ck.output_dir, ck.resume_from_checkpoint)
-    latest = ck.resume_from_checkpoint == "latest"
-    check_output_dir(ck.output_dir, resume, overwrite=ck.overwrite_output_dir, latest=latest, warn=False)
-    resume_meta = read_metadata(resume) if resume is not None else None
+    resume, resume_meta = _resume_point(cfg)
     acc = accelerator or build_accelerator(cfg)
-    logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    check_ema_supported(cfg, acc)
-    from fv_accel.trainer import engine_steps_in_backward, resolve_nan_policy
+    _check_engine(cfg, acc, resume, resume_meta)
+    data_path = _prepare_data_source(cfg, acc)
+    student, method = _build_student_and_method(cfg, acc)
+    heldout_rows, loader = _build_loader(cfg, acc, data_path, student, method)
+    from fv_accel.checkpoint import check_resume_compatible, check_resume_data
 
-    resolve_nan_policy(cfg, engine_steps_in_backward(acc), log=acc.is_main_process)  # nan_policy skip is refused under DeepSpeed
-    warn_single_cpu_thread(acc)
-    if resume is not None:
-        verify_resume_checkpoint(acc, resume, resume_meta)
-    data_path = resolve_data_path(cfg, acc)
-    from fv_accel.user_data import follow_user_data
-
-    follow_user_data(cfg, data_path, log=acc.is_main_process)
-    _latent_stats_from_dataset(cfg, data_path)
-    # Identical initial weights on every rank for inline (random-init) students. Seeded here, after
-    # the data: building the tiny dataset on a first run reseeds the global RNG.
-    set_seed(cfg.training.data.seed)
-    student = build_student(cfg)
-    student.attach_accelerator(acc)
-    method = METHODS[cfg.method.name](cfg=cfg, role_models={"student": student})
-    method.optimizer = build_optimizer(cfg, student.trainable_parameters())
-    method.lr_scheduler = build_lr_scheduler(cfg, method.optimizer)
-    from fv_accel.validation import training_exclusions
-
-    heldout_rows = training_exclusions(cfg, data_path)
-    # Data parallel ranks shard the data; the processes of one context-parallel group share a batch.
-    dp_size, dp_rank = data_parallel_layout(cfg.training.model.context_parallel, acc.num_processes, acc.process_index)
-    loader = build_train_loader(
-        cfg, world_size=dp_size, rank=dp_rank, data_path=data_path, exclude_indices=heldout_rows
+    changes = (
+        check_resume_compatible(resume_meta, method, cfg, resume) + check_resume_data(resume_meta, loader.dataset, cfg, resume)
+        if resume_meta is not None else []
     )
-    check_data_fits_model(loader.dataset, student, method)
-    check_latent_stats(student, cfg, data_path)
-    changes = check_resume_compatible(resume_meta, method, cfg, resume) if resume_meta is not None else []
-    if acc.is_main_process:
-        logger.info(
-            "method %s | student %s (%s family) | training shift %s (models.student.flow_shift, else the family's) | sampling shift "
-            "%.3g (callbacks.validation.sampling_flow_shift) | %d processes | mixed precision %s",
-            cfg.method.name,
-            type(student.transformer).__name__,
-            student.family,
-            student.describe_training_shift(),
-            cfg.callbacks.validation.sampling_flow_shift,
-            acc.num_processes,
-            acc.mixed_precision,
-        )
-    configure_engine(acc, cfg, student)
-    # One call: FSDP2 swaps the optimizer's parameters for the sharded ones, and DeepSpeed takes the
-    # optimizer (and runs its step inside `accelerator.backward`).
-    student.transformer, method.optimizer, method.lr_scheduler = acc.prepare(
-        student.transformer, method.optimizer, method.lr_scheduler
-    )
-    student.after_prepare()
-    if acc.is_main_process:
-        logger.info("%s", describe_engine(acc, student.transformer))
+    _log_run_plan(cfg, acc, student)
+    _prepare_for_engine(cfg, acc, student, method)
+    from fv_accel.output_dir import claim_output_dir
+
     # Nothing is written to the output folder before this: its lock, and under it the last checks.
     lock = claim_output_dir(acc, cfg, resume)
     try:
@@ -575,12 +517,7 @@ def build_from_config(
             output_lock=lock,
         )
         if resume is not None:
-            from fv_accel.trainer import Trainer
-
-            run.start_step = load_checkpoint(Trainer(run), resume)
-            run.trainer_state = resumed_trainer_state(resume_meta, changes)
-            if acc.is_main_process:
-                logger.info("resumed from %s at step %d", resume, run.start_step)
+            _resume_run(run, resume, resume_meta, changes)
         acc.init_trackers(cfg.training.tracker.project_name, config=_flat_hparams(cfg), init_kwargs=tracker_init_kwargs(cfg))
     except BaseException:
         for tracker in acc.trackers:
@@ -588,3 +525,122 @@ def build_from_config(
         lock.release(remove_created_dir=True)
         raise
     return run
+
+
+def _resume_point(cfg: RunConfig) -> tuple[Optional[Path], Optional[dict]]:
+    """training.checkpoint: the checkpoint to resume from (and its metadata), after checking that
+    the output folder may be used."""
+    from fv_accel.checkpoint import read_metadata, resolve_resume
+    from fv_accel.output_dir import check_output_dir
+
+    ck = cfg.training.checkpoint
+    resume = resolve_resume(ck.output_dir, ck.resume_from_checkpoint)
+    latest = ck.resume_from_checkpoint == "latest"
+    check_output_dir(ck.output_dir, resume, overwrite=ck.overwrite_output_dir, latest=latest, warn=False)
+    resume_meta = read_metadata(resume) if resume is not None else None
+    return resume, resume_meta
+
+
+def _check_engine(cfg: RunConfig, acc: Any, resume: Optional[Path], resume_meta: Optional[dict]) -> None:
+    """A checkpoint of another engine, the log level per process and what the engine refuses (EMA,
+    nan_policy), before any work."""
+    from fv_accel.checkpoint import check_resume_engine, verify_resume_checkpoint
+    from fv_accel.ema import check_ema_supported
+
+    if resume_meta is not None:
+        check_resume_engine(acc, cfg, resume, resume_meta)  # another engine's layout: one line, before any load
+    logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    check_ema_supported(cfg, acc)
+    from fv_accel.trainer import engine_steps_in_backward, resolve_nan_policy
+
+    resolve_nan_policy(cfg, engine_steps_in_backward(acc), log=acc.is_main_process)  # nan_policy skip is refused under DeepSpeed
+    warn_single_cpu_thread(acc)
+    if resume is not None:
+        verify_resume_checkpoint(acc, resume, resume_meta)
+
+
+def _prepare_data_source(cfg: RunConfig, acc: Any) -> str:
+    """training.data: the dataset's folder (the tiny one generated on a first run), the user's
+    data followed, the latent statistics it records."""
+    data_path = resolve_data_path(cfg, acc)
+    from fv_accel.user_data import follow_user_data
+
+    follow_user_data(cfg, data_path, log=acc.is_main_process)
+    _latent_stats_from_dataset(cfg, data_path)
+    return data_path
+
+
+def _build_student_and_method(cfg: RunConfig, acc: Any) -> tuple[Any, Any]:
+    """models.student, method and training.optimizer: the student, its method, the optimizer and LR schedule."""
+    from accelerate.utils import set_seed
+
+    from fv_accel.methods import METHODS
+    from fv_accel.models import build_student
+    from fv_accel.optim import build_lr_scheduler, build_optimizer
+
+    # Identical initial weights on every rank for inline (random-init) students. Seeded here, after
+    # the data: building the tiny dataset on a first run reseeds the global RNG.
+    set_seed(cfg.training.data.seed)
+    student = build_student(cfg)
+    student.attach_accelerator(acc)
+    method = METHODS[cfg.method.name](cfg=cfg, role_models={"student": student})
+    method.optimizer = build_optimizer(cfg, student.trainable_parameters())
+    method.lr_scheduler = build_lr_scheduler(cfg, method.optimizer)
+    return student, method
+
+
+def _build_loader(cfg: RunConfig, acc: Any, data_path: str, student: Any, method: Any) -> tuple[Any, Any]:
+    """The held-out rows (callbacks.validation) and the training loader over the rest, checked
+    against the student."""
+    from fv_accel.data.loader import build_train_loader
+    from fv_accel.models.context_parallel import data_parallel_layout
+    from fv_accel.validation import training_exclusions
+
+    heldout_rows = training_exclusions(cfg, data_path)
+    # Data parallel ranks shard the data; the processes of one context-parallel group share a batch.
+    dp_size, dp_rank = data_parallel_layout(cfg.training.model.context_parallel, acc.num_processes, acc.process_index)
+    loader = build_train_loader(
+        cfg, world_size=dp_size, rank=dp_rank, data_path=data_path, exclude_indices=heldout_rows
+    )
+    check_data_fits_model(loader.dataset, student, method)
+    check_latent_stats(student, cfg, data_path)
+    return heldout_rows, loader
+
+
+def _log_run_plan(cfg: RunConfig, acc: Any, student: Any) -> None:
+    if acc.is_main_process:
+        logger.info(
+            "method %s | student %s (%s family) | training shift %s (models.student.flow_shift, else the family's) | sampling shift "
+            "%s (callbacks.validation.sampling_flow_shift) | %d processes | mixed precision %s",
+            cfg.method.name,
+            type(student.transformer).__name__,
+            student.family,
+            student.describe_training_shift(),
+            cfg.callbacks.validation.sampling_flow_shift or "the repo scheduler's",
+            acc.num_processes,
+            acc.mixed_precision,
+        )
+
+
+def _prepare_for_engine(cfg: RunConfig, acc: Any, student: Any, method: Any) -> None:
+    """The engine's settings, then Accelerate's prepare of the transformer, optimizer and schedule."""
+    configure_engine(acc, cfg, student)
+    # One call: FSDP2 swaps the optimizer's parameters for the sharded ones, and DeepSpeed takes the
+    # optimizer (and runs its step inside `accelerator.backward`).
+    student.transformer, method.optimizer, method.lr_scheduler = acc.prepare(
+        student.transformer, method.optimizer, method.lr_scheduler
+    )
+    student.after_prepare()
+    if acc.is_main_process:
+        logger.info("%s", describe_engine(acc, student.transformer))
+
+
+def _resume_run(run: BuiltRun, resume: Path, resume_meta: Optional[dict], changes: list) -> None:
+    """The checkpoint's state loaded into the run (its start step, the trainer's counters)."""
+    from fv_accel.checkpoint import load_checkpoint, resumed_trainer_state
+    from fv_accel.trainer import Trainer
+
+    run.start_step = load_checkpoint(Trainer(run), resume)
+    run.trainer_state = resumed_trainer_state(resume_meta, changes)
+    if run.accelerator.is_main_process:
+        logger.info("resumed from %s at step %d", resume, run.start_step)

@@ -15,9 +15,14 @@ Atomicity: everything is written into `.checkpoint-<step>.partial/` and renamed 
 complete, then the `latest` pointer is replaced. A failed save removes its partial folder and leaves
 the previous checkpoint as `latest`; a killed one leaves the folder, removed at the next start.
 
-Integrity: `metadata.json` is written last and records each file's size and sha256 (streamed).
-A resume checks them before anything else, and any damage is one line naming the file and the
-newest complete checkpoint before it.
+Integrity: `metadata.json` is written last and records each file's size and sha256 (streamed),
+and the sha256 of its own contents (`metadata_sha256`, over the canonical JSON of every other key),
+so that an edited data position or recipe is caught too. A resume checks them before anything
+else, and any damage is one line naming the file and the newest complete checkpoint before it.
+
+A checkpoint also records the engine that wrote it (its files are laid out per engine) and a
+fingerprint of the training data (fv_accel/data/fingerprint.py); a resume under another engine, or
+on data that changed, is refused in one line (the data: unless allow_recipe_change).
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ METADATA_NAME = "metadata.json"
 LATEST_NAME = "latest"
 FORMAT_NAME = "fv_accel-checkpoint"
 # 2: per-file sizes and sha256 ("files"), the optimizer settings that ran, the EMA in one file.
-FORMAT_VERSION = 2
+# 3: the sha256 of metadata.json's own contents, the engine, the training data's fingerprint.
+FORMAT_VERSION = 3
+METADATA_CHECKSUM_KEY = "metadata_sha256"
 # Accelerate's pickled RNG file (accelerate.utils.RNG_STATE_NAME).
 ACCELERATE_RNG_FILE = "random_states_{rank}.pkl"
 PACKAGES = ("fv_accel", "torch", "accelerate", "diffusers", "transformers", "peft", "safetensors", "datasets", "numpy")
@@ -178,7 +185,22 @@ def _metadata_problem(ckpt: Path) -> tuple[Optional[dict], Optional[str]]:
     named = checkpoint_step(ckpt)
     if named is not None and meta["step"] != named:
         return None, f"{path}: step {meta['step']}, but the folder is {ckpt.name} (step {named})"
+    recorded = meta.get(METADATA_CHECKSUM_KEY)
+    if recorded is None and int(meta.get("format_version") or 0) >= 3:
+        return None, f"{path}: no '{METADATA_CHECKSUM_KEY}' (format {meta['format_version']} records the sha256 of its own contents)"
+    if recorded is not None and recorded != metadata_checksum(meta):
+        return None, (
+            f"{path}: its contents differ from the sha256 recorded in it ('{METADATA_CHECKSUM_KEY}'): the file was "
+            "edited after it was saved (its data position, recipe or file list cannot be trusted)"
+        )
     return meta, None
+
+
+def metadata_checksum(meta: dict) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces) of every key but METADATA_CHECKSUM_KEY,
+    as read back from the file (`write_metadata` computes it on that round trip)."""
+    body = {k: v for k, v in meta.items() if k != METADATA_CHECKSUM_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
 def sha256_file(path: Path) -> str:
@@ -264,6 +286,13 @@ def read_metadata(ckpt: str | Path) -> dict:
     return meta
 
 
+def first_line(err: BaseException, prefix: str = "") -> str:
+    """The first non-empty line of an exception's message after `prefix`, or "" for an empty message
+    (an AssertionError without one)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{prefix}{lines[0]}" if lines else ""
+
+
 def agree_on_error(acc: Any, message: Optional[str]) -> Optional[str]:
     """Every rank gets the first rank's error message (None when all succeeded), so that all of them
     stop together instead of some waiting at the next collective."""
@@ -278,6 +307,9 @@ def verify_resume_checkpoint(acc: Any, ckpt: Path, meta: dict) -> None:
     """The main process hashes every file the checkpoint lists (streamed); all ranks get the verdict."""
     problem = None
     if acc.is_main_process:
+        if METADATA_CHECKSUM_KEY not in meta and "files" in meta:
+            logger.warning("%s/%s records no checksum of itself (saved by fv_accel before format 3): its data position "
+                           "and recipe are not verified", ckpt, METADATA_NAME)
         if "files" not in meta:
             logger.warning("%s records no checksums (saved by fv_accel before format 2): its files are not verified", ckpt)
         else:
@@ -285,6 +317,117 @@ def verify_resume_checkpoint(acc: Any, ckpt: Path, meta: dict) -> None:
     problem = agree_on_error(acc, problem)
     if problem is not None:
         raise damaged_checkpoint_error(ckpt, problem)
+
+
+# --------------------------------------------------------------------------------------------
+# Resuming under another engine, or from another kind of run (LoRA / full)
+# --------------------------------------------------------------------------------------------
+
+# How each engine's checkpoint is laid out by Accelerate's save_state: DDP and one process write the
+# same files (model.safetensors, optimizer.bin), FSDP2 torch.distributed.checkpoint shards
+# (pytorch_model_fsdp_0/, optimizer_0/), DeepSpeed its own (pytorch_model/).
+ENGINE_LAYOUTS = {"one process": "unsharded", "DDP": "unsharded", "FSDP2": "fsdp", "DeepSpeed": "deepspeed"}
+
+
+def engine_name(acc: Any) -> str:
+    """The engine an Accelerator runs, as checkpoints record it: one process, DDP, FSDP2 or
+    DeepSpeed (with its ZeRO stage)."""
+    kind = getattr(getattr(acc, "distributed_type", None), "value", "NO")
+    if kind == "DEEPSPEED":
+        plugin = getattr(getattr(acc, "state", None), "deepspeed_plugin", None)
+        stage = (getattr(plugin, "deepspeed_config", None) or {}).get("zero_optimization", {}).get("stage")
+        return "DeepSpeed" if stage is None else f"DeepSpeed ZeRO-{stage}"
+    if kind == "FSDP":
+        return "FSDP2"
+    return "DDP" if getattr(acc, "num_processes", 1) > 1 else "one process"
+
+
+def _layout(engine: str) -> str:
+    return ENGINE_LAYOUTS.get(engine.split(" ZeRO-")[0], engine)
+
+
+def saved_engine(meta: dict) -> Optional[str]:
+    """The engine that wrote a checkpoint: recorded (format 3), else read from its file list."""
+    if meta.get("engine"):
+        return str(meta["engine"])
+    files = meta.get("files") or {}
+    if any(name.startswith("pytorch_model_fsdp_0/") for name in files):
+        return "FSDP2"
+    if any(name.startswith("pytorch_model/") for name in files):
+        return "DeepSpeed"
+    return "DDP" if int(meta.get("world_size") or 1) > 1 else "one process"
+
+
+def _weights_of(engine: str, ckpt: Path) -> str:
+    """How to get full weights out of a checkpoint written by `engine`."""
+    layout = _layout(engine)
+    if layout == "fsdp":
+        return f"`accelerate merge-weights {ckpt / 'pytorch_model_fsdp_0'} <folder>` gathers them into one safetensors file"
+    if layout == "deepspeed":
+        return (
+            f"`python -m deepspeed.utils.zero_to_fp32 {ckpt} <folder> --tag pytorch_model --safe_serialization` "
+            "gathers them into safetensors files"
+        )
+    return f"`python -m fv_accel.export {ckpt} --to diffusers` writes them as a transformer folder for models.student.init_from"
+
+
+def check_resume_engine(acc: Any, cfg: Any, ckpt: Path, meta: dict) -> None:
+    """A checkpoint resumes only under an engine that stores it the same way (one process and DDP
+    share a layout) and in the same kind of run (LoRA or full): anything else is one line naming
+    both and whether the state can be converted (it cannot; the weights can be taken to a new run)."""
+    saved, now = saved_engine(meta), engine_name(acc)
+    if _layout(saved) != _layout(now):
+        raise CheckpointError(
+            f"{ckpt}: checkpoint written by {saved}, this launch is {now}: it cannot be converted (each engine stores the "
+            f"model and optimizer state in its own layout); resume it under {saved} (the launch configuration that wrote "
+            f"it), or start a new run from its weights with a fresh optimizer: {_weights_of(saved, ckpt)}"
+        )
+    lora_then = bool(saved_recipe(meta).get("models.student.lora.enable", False))
+    lora_now = bool(cfg.models.student.lora.enable)
+    if lora_then and not lora_now:
+        raise CheckpointError(
+            f"{ckpt}: checkpoint written by a LoRA run (models.student.lora.enable: true), this launch trains the full "
+            "model: the checkpoint holds the adapter and its optimizer state only, which a full fine-tune cannot resume; "
+            f"resume it with models.student.lora.enable: true, or start a full fine-tune from the merged weights: "
+            f"`python -m fv_accel.export {ckpt} --to merged`, then models.student.init_from that folder"
+        )
+    if lora_now and not lora_then:
+        raise CheckpointError(
+            f"{ckpt}: checkpoint written by a full fine-tune, this launch trains a LoRA adapter "
+            "(models.student.lora.enable: true): there is no adapter in it to resume; resume it with "
+            f"models.student.lora.enable: false, or start a LoRA run on its weights: {_weights_of(saved, ckpt)}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Resuming on changed data
+# --------------------------------------------------------------------------------------------
+
+
+def check_resume_data(meta: dict, dataset: Any, cfg: Any, ckpt: str | Path) -> list[dict]:
+    """Compare the training data with the fingerprint the checkpoint holds (rows, shard sizes and
+    footers, the hash of fv_dataset.json; fv_accel/data/fingerprint.py). Changed data is refused
+    unless `training.checkpoint.allow_recipe_change`, then warned; returns the change to record."""
+    from fv_accel.data.fingerprint import dataset_fingerprint, describe_fingerprint_change, summarize_fingerprint
+
+    saved = meta.get("data_fingerprint")
+    if saved is None:
+        return []  # saved before checkpoints recorded one
+    now = dataset_fingerprint(dataset)
+    what = describe_fingerprint_change(saved, now)
+    if what is None:
+        return []
+    if not cfg.training.checkpoint.allow_recipe_change:
+        raise CheckpointError(
+            f"cannot resume from {ckpt}: the training data changed since it was saved ({what}); resume on the data it "
+            "was trained on, or set training.checkpoint.allow_recipe_change: true to train on with this data"
+        )
+    logger.warning(
+        "resuming from %s on changed training data (%s): it is used from step %d; the data position (epoch %s, step %s "
+        "in it) is kept and may point at other samples", ckpt, what, int(meta["step"]) + 1,
+        meta["data"].get("epoch"), meta["data"].get("step_in_epoch"),
+    )
+    return [{"key": "training.data (fingerprint)", "old": summarize_fingerprint(saved), "new": summarize_fingerprint(now)}]
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,7 +483,8 @@ def check_resume_compatible(meta: dict, method: Any, cfg: Any, ckpt: str | Path)
     is refused unless `training.checkpoint.allow_recipe_change`; a new optimizer then starts with
     fresh state. Every other change takes effect from the next step: the loop, loader and callbacks
     are built from this recipe, and `apply_optimizer_recipe` puts its learning rate, schedule and
-    optimizer settings into the restored optimizer and LR scheduler.
+    optimizer settings into the restored optimizer and LR scheduler. A new `max_train_steps` (a finished
+    run extended) is logged with what it does to the LR schedule (`fv_accel.optim.schedule_length_change`).
     Returns the changes (`{"key", "old", "new"}`), which the next checkpoints record."""
     math_lines, changes = recipe_changes(meta, method, cfg)
     if math_lines and not cfg.training.checkpoint.allow_recipe_change:
@@ -353,6 +497,11 @@ def check_resume_compatible(meta: dict, method: Any, cfg: Any, ckpt: str | Path)
             "resuming from %s with a changed recipe: %s: %r in the checkpoint, %r now; it takes effect from step %d",
             ckpt, change["key"], change["old"], change["new"], int(meta["step"]) + 1,
         )
+        if change["key"] == "training.loop.max_train_steps" and isinstance(change["old"], int):
+            from fv_accel.optim import schedule_length_change
+
+            logger.warning("training.loop.max_train_steps %s -> %s: %s", change["old"], change["new"],
+                           schedule_length_change(cfg, change["old"], int(meta["step"])))
     return changes
 
 
@@ -500,6 +649,8 @@ def build_metadata(trainer: Any, step: int) -> dict:
         "accelerator_step": int(acc.step),
         "trainer": trainer.state_dict(),
         "world_size": acc.num_processes,
+        "engine": engine_name(acc),
+        "data_fingerprint": _data_fingerprint(trainer),
         "math": trainer.method.math_signature(),
         "config": trainer.config.to_dict(),
         "optimizer": optimizer_record(trainer.method.optimizer, trainer.method.lr_scheduler),
@@ -507,11 +658,20 @@ def build_metadata(trainer: Any, step: int) -> dict:
     }
 
 
+def _data_fingerprint(trainer: Any) -> Optional[list]:
+    from fv_accel.data.fingerprint import dataset_fingerprint
+
+    dataset = getattr(trainer.dataloader, "dataset", None)
+    return dataset_fingerprint(dataset) if dataset is not None else None
+
+
 def write_metadata(path: Path, meta: dict) -> None:
-    path.write_text(json.dumps(meta, indent=2, default=str) + "\n", encoding="utf-8")
+    stored = json.loads(json.dumps(meta, default=str))  # what a reader gets back (tuples as lists, paths as text)
+    stored[METADATA_CHECKSUM_KEY] = metadata_checksum(stored)
+    path.write_text(json.dumps(stored, indent=2) + "\n", encoding="utf-8")
 
 
-def _fsync_tree(folder: Path) -> None:
+def fsync_tree(folder: Path) -> None:
     # The rename is the commit: make sure the bytes it publishes are on disk first.
     for root, _dirs, files in os.walk(folder):
         for name in files:
@@ -520,10 +680,10 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(str(folder), os.O_RDONLY)
     except OSError:
@@ -546,7 +706,7 @@ def _publish(tmp: Path, final: Path) -> None:
     tmp.rename(final)
     if old.exists():
         shutil.rmtree(old)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def _point_latest(out: Path, final: Path) -> None:
@@ -632,10 +792,9 @@ def out_of_space_error(err: BaseException, folder: Path, needed: int, basis: str
         space = f"{format_bytes(free)} free, about {format_bytes(needed)} needed ({basis})"
     else:  # the disk filled up although the estimate fitted
         space = f"{format_bytes(free)} free, more than that needed (estimated at {format_bytes(needed)}: {basis})"
-    cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return CheckpointError(
         f"not enough disk space to write {what} in {folder}: {space}; free some space or move "
-        f"training.checkpoint.output_dir ({type(err).__name__}: {cause})"
+        f"training.checkpoint.output_dir ({type(err).__name__}{first_line(err, ': ')})"
     )
 
 
@@ -679,7 +838,7 @@ def save_checkpoint(trainer: Any, step: int) -> Path:
             meta = build_metadata(trainer, step)
             meta["files"] = file_records(tmp)  # after every other file, before the rename
             write_metadata(tmp / METADATA_NAME, meta)
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             _publish(tmp, final)
             _point_latest(out, final)
         except Exception as err:  # noqa: BLE001
@@ -733,7 +892,7 @@ def load_checkpoint(trainer: Any, ckpt: Path) -> int:
     try:
         acc.load_state(str(ckpt), load_kwargs={"weights_only": True})
     except Exception as err:  # noqa: BLE001 - one line naming the checkpoint
-        raise damaged_checkpoint_error(ckpt, f"{type(err).__name__} while loading: {str(err).strip().splitlines()[0]}") from err
+        raise damaged_checkpoint_error(ckpt, f"{type(err).__name__} while loading{first_line(err, ': ')}") from err
     finally:
         acc._optimizers = optimizers
     step = int(meta["step"])

@@ -15,13 +15,23 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Iterator, Literal, Optional, Union
 
 import yaml
 
 
 class ConfigError(ValueError):
     """A recipe problem; the message names the source file and the dotted key."""
+
+
+class Invalid(Exception):
+    """A section's `check` found a bad value. `key` is dotted from the section (`validate` adds the
+    section's path and the source file); the message is "expected <expected>, got <value>", or
+    `says` as given. `quoted`: the key is written `key '<key>':` (else `<key>:`)."""
+
+    def __init__(self, key: str, value: Any = None, expected: str = "", *, says: str = "", quoted: bool = True):
+        super().__init__(key)
+        self.key, self.value, self.expected, self.says, self.quoted = key, value, expected, says, quoted
 
 
 # --------------------------------------------------------------------------------------------
@@ -38,6 +48,14 @@ class LoraConfig:
     # None: the student family's own list (`lora_target_modules`; Wan: to_q, to_k, to_v, to_out.0).
     target_modules: Optional[list[str]] = None
     init: Literal["default", "gaussian", "pissa"] = "default"
+
+    def check(self) -> None:
+        if self.rank < 1:
+            raise Invalid("rank", self.rank, "an integer >= 1")
+        if self.alpha <= 0:
+            raise Invalid("alpha", self.alpha, "a number > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise Invalid("dropout", self.dropout, "a number in [0, 1)")
 
 
 @dataclass
@@ -80,6 +98,33 @@ class StudentConfig:
     # weights are kept in this dtype and cast to the compute dtype layer by layer in the forward.
     # Norms, embeddings, the patch embedding and the LoRA adapter stay as they are. null: off.
     storage_dtype: Optional[Literal["float8_e4m3fn", "float8_e5m2", "bfloat16"]] = None
+
+    def check(self) -> None:
+        if self.storage_dtype is not None and not self.lora.enable:
+            raise Invalid("storage_dtype", says=(
+                f"{self.storage_dtype!r} stores a frozen base in low "
+                "precision, so it needs models.student.lora.enable: true (a fully trained model keeps its weights "
+                "in torch_dtype); remove the key or enable LoRA"
+            ))
+        if self.flow_shift is not None and self.flow_shift <= 0:
+            raise Invalid("flow_shift", self.flow_shift, "a number > 0")
+        if self.trust_remote_code:
+            raise Invalid(
+                "trust_remote_code",
+                self.trust_remote_code,
+                "false: fv_accel never runs a model repository's own code (it loads diffusers' classes from "
+                "safetensors weights)",
+            )
+        if self.init_from is None and self.transformer_config is None:
+            raise Invalid("init_from", None, "a Hub id or folder, or models.student.transformer_config")
+        if self.local_attn_size != -1 and self.local_attn_size < 1:
+            raise Invalid("local_attn_size", self.local_attn_size, "-1 (no window) or a frame count >= 1")
+        if self.sink_size < 0:
+            raise Invalid("sink_size", self.sink_size, "an integer >= 0")
+        if (self.latents_mean is None) != (self.latents_std is None):
+            raise Invalid("latents_std", self.latents_std, "set together with latents_mean")
+        if self.latents_std is not None and any(s <= 0 for s in self.latents_std):
+            raise Invalid("latents_std", self.latents_std, "positive numbers")
 
 
 @dataclass
@@ -124,6 +169,46 @@ class DataConfig:
     tiny_width: int = 32
     tiny_cache_dir: Optional[str] = None
 
+    def check(self) -> None:
+        if self.train_batch_size < 1:
+            raise Invalid("train_batch_size", self.train_batch_size, "an integer >= 1")
+        if self.text_max_length < 1:
+            raise Invalid("text_max_length", self.text_max_length, "an integer >= 1")
+        if self.dataloader_num_workers < 0:
+            raise Invalid("dataloader_num_workers", self.dataloader_num_workers, "an integer >= 0")
+        if not 0.0 <= self.training_cfg_rate <= 1.0:
+            raise Invalid("training_cfg_rate", self.training_cfg_rate, "a number in [0, 1]")
+        if self.num_frames is not None and (self.num_frames - 1) % 4 != 0:
+            raise Invalid("num_frames", self.num_frames, "a frame count of the form 4k+1")
+        if self.tiny_num_frames < 1 or (self.tiny_num_frames - 1) % 4 != 0:
+            raise Invalid("tiny_num_frames", self.tiny_num_frames, "a frame count of the form 4k+1")
+        for i, entry in enumerate(self.mix):
+            entry["weight"] = _mix_weight(entry, f"mix[{i}]")
+        for key in ("num_latent_t", "num_frames"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise Invalid(key, getattr(self, key), "an integer >= 1 (or null)")
+        for key in ("num_height", "num_width"):
+            side = getattr(self, key)
+            if side is not None and (side <= 0 or side % 8):
+                raise Invalid(key, side, "a positive multiple of 8 pixels (or null)")
+
+
+def _mix_weight(entry: Any, key: str) -> float:
+    """A `training.data.mix` entry's weight (1.0 when absent), after checking the entry."""
+    if set(entry) - {"data_path", "weight"} or "data_path" not in entry:
+        raise Invalid(key, entry, "a mapping with data_path and optional weight")
+    if not isinstance(entry["data_path"], str) or not entry["data_path"]:
+        raise Invalid(f"{key}.data_path", entry["data_path"], "a Parquet folder or file")
+    weight = entry.get("weight", 1.0)
+    if isinstance(weight, str):  # YAML reads "1e-1" (no dot) as a string
+        try:
+            weight = float(weight)
+        except ValueError:
+            pass
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or weight == float("inf"):
+        raise Invalid(f"{key}.weight", entry.get("weight"), "a number > 0")
+    return float(weight)
+
 
 # Optimizers that live in an optional library: name -> (module, pinned install).
 OPTIMIZER_LIBRARIES = {"adamw_8bit": ("bitsandbytes", "bitsandbytes==0.50.2"), "prodigy": ("prodigyopt", "prodigyopt==1.1.2")}
@@ -160,6 +245,30 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.0
     step_rules: Optional[str] = None  # piecewise_constant rules, diffusers' syntax
 
+    def check(self) -> None:
+        if not self.learning_rate > 0:
+            raise Invalid("learning_rate", self.learning_rate, "a number > 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise Invalid("betas", self.betas, "two numbers in [0, 1)")
+        if self.eps <= 0:
+            raise Invalid("eps", self.eps, "a number > 0")
+        if self.weight_decay < 0:
+            raise Invalid("weight_decay", self.weight_decay, "a number >= 0")
+        if self.implementation != "auto" and self.name != "adamw":
+            raise Invalid("implementation", self.implementation, f"auto with name {self.name!r} (it chooses AdamW's kernel)")
+        defaults = OptimizerConfig()
+        for key in ("prodigy_d_coef", "prodigy_safeguard_warmup", "prodigy_use_bias_correction"):
+            if self.name != "prodigy" and getattr(self, key) != getattr(defaults, key):
+                raise Invalid(key, getattr(self, key), f"its default with name {self.name!r} (it applies to prodigy only)")
+        if not self.prodigy_d_coef > 0:
+            raise Invalid("prodigy_d_coef", self.prodigy_d_coef, "a number > 0")
+        if self.name in OPTIMIZER_LIBRARIES:
+            module, install = OPTIMIZER_LIBRARIES[self.name]
+            if importlib.util.find_spec(module) is None:
+                raise Invalid("name", says=f"{self.name} needs {module} (pip install {install})", quoted=False)
+        if self.lr_warmup_steps < 0:
+            raise Invalid("lr_warmup_steps", self.lr_warmup_steps, "an integer >= 0")
+
 
 @dataclass
 class LoopConfig:
@@ -174,6 +283,14 @@ class LoopConfig:
     # except under DeepSpeed, whose engine steps inside backward: stop (fv_accel.trainer.resolve_nan_policy).
     nan_policy: Literal["auto", "skip", "stop"] = "auto"
     max_consecutive_skips: int = 5
+
+    def check(self) -> None:
+        if self.max_train_steps < 1:
+            raise Invalid("max_train_steps", self.max_train_steps, "an integer >= 1")
+        if self.gradient_accumulation_steps < 1:
+            raise Invalid("gradient_accumulation_steps", self.gradient_accumulation_steps, "an integer >= 1")
+        if self.max_consecutive_skips < 0:
+            raise Invalid("max_consecutive_skips", self.max_consecutive_skips, "an integer >= 0")
 
 
 @dataclass
@@ -190,6 +307,16 @@ class CheckpointConfig:
     # outputs (checkpoints, weights, logs, samples, plots) are deleted first.
     overwrite_output_dir: bool = False
 
+    def check(self) -> None:
+        if self.training_state_checkpointing_steps < 0:
+            raise Invalid(
+                "training_state_checkpointing_steps", self.training_state_checkpointing_steps, "an integer >= 0 (0 = off)"
+            )
+        if self.checkpoints_total_limit < 0:
+            raise Invalid("checkpoints_total_limit", self.checkpoints_total_limit, "an integer >= 0")
+        if not self.output_dir:
+            raise Invalid("output_dir", self.output_dir, "a folder path")
+
 
 @dataclass
 class TrackerConfig:
@@ -202,6 +329,15 @@ class TrackerConfig:
     # Peak accelerator TFLOP/s for the MFU estimate; None looks the device up (fv_accel/telemetry.py).
     peak_tflops: Optional[float] = None
 
+    def check(self) -> None:
+        if self.log_every < 1:
+            raise Invalid("log_every", self.log_every, "an integer >= 1")
+        for name in self.trackers:
+            if name not in ("tensorboard", "wandb", "none"):
+                raise Invalid("trackers", name, "'tensorboard', 'wandb' or 'none'")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise Invalid("peak_tflops", self.peak_tflops, "a number > 0")
+
 
 @dataclass
 class HubConfig:
@@ -212,6 +348,12 @@ class HubConfig:
     private: bool = False
     # A branch of the repo (created if absent); None: main.
     revision: Optional[str] = None
+
+    def check(self) -> None:
+        if self.push_to_hub and not self.repo_id:
+            raise Invalid("repo_id", self.repo_id, "a Hub repo id (user/name) when training.hub.push_to_hub is true")
+        if self.repo_id is not None and re.fullmatch(r"[\w.-]+/[\w.-]+|[\w.-]+", self.repo_id) is None:
+            raise Invalid("repo_id", self.repo_id, "a Hub repo id (user/name)")
 
 
 @dataclass
@@ -227,6 +369,19 @@ class ContextParallel:
     def degree(self) -> int:
         return self.ulysses * self.ring
 
+    def check(self) -> None:
+        for name in ("ulysses", "ring"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise Invalid(name, value, "an integer >= 1")
+        if self.ring > 1:
+            # diffusers' ring attention merges partial results by their log-sum-exp, which its native
+            # SDPA backend (the one that runs on CPU and the one fv_accel's processors use) cannot return.
+            raise Invalid("ring", says=(
+                f"{self.ring}: ring attention is not supported "
+                "(diffusers' native attention backend returns no log-sum-exp); use ulysses"
+            ))
+
 
 @dataclass
 class TrainingModelConfig:
@@ -240,6 +395,10 @@ class TrainingModelConfig:
     # torch.compile of the transformer: none, or blocks (diffusers' regional compilation: each
     # block class the transformer lists in `_repeated_blocks` is compiled once and reused).
     compile: Literal["none", "blocks"] = "none"
+
+    def check(self) -> None:
+        if self.logit_std < 0:
+            raise Invalid("logit_std", self.logit_std, "a number >= 0")
 
 
 @dataclass
@@ -257,12 +416,20 @@ class TrainingConfig:
 class GradClipConfig:
     max_grad_norm: float = 1.0
 
+    def check(self) -> None:
+        if self.max_grad_norm < 0:
+            raise Invalid("max_grad_norm", self.max_grad_norm, "a number >= 0")
+
 
 @dataclass
 class EmaConfig:
     enable: bool = False
     decay: float = 0.9999
     device: Literal["same", "cpu"] = "same"
+
+    def check(self) -> None:
+        if not 0.0 < self.decay < 1.0:
+            raise Invalid("decay", self.decay, "a number in (0, 1)")
 
 
 @dataclass
@@ -277,8 +444,14 @@ class ValidationConfig:
     negative_prompt: str = ""
     sampling_steps: int = 50
     guidance_scale: float = 5.0
-    # Sampling shift (FastVideo's pipeline.flow_shift), distinct from the training shift.
-    sampling_flow_shift: float = 3.0
+    # The scheduler sample videos step with: "repo", the class and config of the model repo's
+    # scheduler/scheduler_config.json (the repo the VAE comes from; Wan: UniPCMultistepScheduler),
+    # or "euler", FlowMatchEulerDiscreteScheduler at the same shift. The diffusion-forcing sampler
+    # (DFSFT students) steps each chunk with Euler either way (docs/validation-sampling.md).
+    scheduler: Literal["repo", "euler"] = "repo"
+    # Sampling shift (FastVideo's pipeline.flow_shift), distinct from the training shift
+    # (models.student.flow_shift). None: the repo scheduler's own; a number overrides it.
+    sampling_flow_shift: Optional[float] = None
     # None: the size of the first training clip.
     height: Optional[int] = None
     width: Optional[int] = None
@@ -308,6 +481,53 @@ class ValidationConfig:
     # DFSFT only: per-chunk noise patterns (ramp_up, ramp_down, clean_context, or per-chunk sigmas).
     heldout_chunk_patterns: list[Union[str, list[float]]] = field(default_factory=lambda: ["ramp_up", "ramp_down"])
 
+    def check(self) -> None:
+        if self.every_steps < 1:
+            raise Invalid("every_steps", self.every_steps, "an integer >= 1")
+        if self.sampling_steps < 1:
+            raise Invalid("sampling_steps", self.sampling_steps, "an integer >= 1")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise Invalid("heldout_fraction", self.heldout_fraction, "a number in [0, 1)")
+        for key in ("height", "width"):
+            side = getattr(self, key)
+            if side is not None and (side <= 0 or side % 16):
+                raise Invalid(key, side, "a positive multiple of 16")
+        if self.num_frames is not None and (self.num_frames < 1 or (self.num_frames - 1) % 4):
+            raise Invalid("num_frames", self.num_frames, "a frame count of the form 4k+1")
+        if self.guidance_scale < 0:
+            raise Invalid("guidance_scale", self.guidance_scale, "a number >= 0")
+        if self.sampling_flow_shift is not None and self.sampling_flow_shift <= 0:
+            raise Invalid("sampling_flow_shift", self.sampling_flow_shift, "a number > 0, or null (the repo scheduler's own)")
+        if self.fps < 1:
+            raise Invalid("fps", self.fps, "an integer >= 1")
+        if self.distance_clips < 0:
+            raise Invalid("distance_clips", self.distance_clips, "an integer >= 0 (0: off)")
+        if self.ar_step is not None and self.ar_step < 0:
+            raise Invalid("ar_step", self.ar_step, "an integer >= 0, or null (chunk by chunk)")
+        if not 0.0 <= self.context_noise < 1.0:
+            raise Invalid("context_noise", self.context_noise, "a sigma in [0, 1)")
+        self._check_heldout()
+
+    def _check_heldout(self) -> None:
+        if self.heldout_fraction > 0 and self.heldout_data_path:
+            raise Invalid(
+                "heldout_fraction",
+                self.heldout_fraction,
+                f"0 when callbacks.validation.heldout_data_path is set ({self.heldout_data_path!r}): one held-out set",
+            )
+        if self.heldout_max_samples < 1:
+            raise Invalid("heldout_max_samples", self.heldout_max_samples, "an integer >= 1")
+        if not self.heldout_sigma_buckets or not all(0.0 < s <= 1.0 for s in self.heldout_sigma_buckets):
+            raise Invalid("heldout_sigma_buckets", self.heldout_sigma_buckets, "sigmas in (0, 1]")
+        for i, pattern in enumerate(self.heldout_chunk_patterns):
+            ok = pattern in ("ramp_up", "ramp_down", "clean_context") if isinstance(pattern, str) else (
+                bool(pattern) and all(0.0 <= s <= 1.0 for s in pattern)
+            )
+            if not ok:
+                raise Invalid(
+                    f"heldout_chunk_patterns[{i}]", pattern, "ramp_up, ramp_down, clean_context or a list of sigmas in [0, 1]"
+                )
+
 
 @dataclass
 class CallbacksConfig:
@@ -328,6 +548,23 @@ class RunConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def check(self) -> None:
+        """The checks across sections (keys dotted from the root)."""
+        st, tm = self.models.student, self.training.model
+        if st.storage_dtype is not None and tm.compile != "none":
+            raise Invalid("training.model.compile", says=(
+                f"{tm.compile!r} with models.student.storage_dtype "
+                f"{st.storage_dtype!r}: the compiled blocks cannot replay the per-layer weight casts (gradient "
+                "checkpointing's recompute sees the storage dtype); use one of the two"
+            ))
+        cp, val = tm.context_parallel, self.callbacks.validation
+        if cp.degree > 1 and val.enable and st.causal and (val.prompts or val.prompt_file):
+            # A causal student samples block by block over a KV cache, which the Ulysses split does not serve.
+            raise Invalid("callbacks.validation.prompts", says=(
+                "sample videos of a causal student do not run under "
+                f"training.model.context_parallel (ulysses {cp.ulysses}); remove the prompts (the held-out loss runs)"
+            ))
 
 
 # --------------------------------------------------------------------------------------------
@@ -430,213 +667,37 @@ def _build_dataclass(cls: type, data: dict, prefix: str, source: str) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# Range checks (one place; messages name the key and the file)
+# Validation: each section checks its own fields (its `check`); one walker names the file and key
 # --------------------------------------------------------------------------------------------
 
 
 def validate(cfg: RunConfig, source: str) -> None:
-    def bad(key: str, value: Any, expected: str) -> ConfigError:
-        return ConfigError(f"{source}: key '{key}': expected {expected}, got {value!r}")
+    """Every section's own `check`, then the checks across sections (`RunConfig.check`); the first
+    problem is a ConfigError naming the source file, the dotted key and the value."""
+    sections = [found for name in CHECK_ORDER for found in _sections(getattr(cfg, name), name)]
+    for path, section in [*sections, ("", cfg)]:
+        check = getattr(section, "check", None)
+        if check is None:
+            continue
+        try:
+            check()
+        except Invalid as err:
+            key = f"{path}.{err.key}" if path else err.key
+            what = err.says or f"expected {err.expected}, got {err.value!r}"
+            raise ConfigError(f"{source}: key '{key}': {what}" if err.quoted else f"{source}: {key}: {what}") from None
 
-    opt = cfg.training.optimizer
-    if not opt.learning_rate > 0:
-        raise bad("training.optimizer.learning_rate", opt.learning_rate, "a number > 0")
-    if len(opt.betas) != 2 or not all(0.0 <= b < 1.0 for b in opt.betas):
-        raise bad("training.optimizer.betas", opt.betas, "two numbers in [0, 1)")
-    if opt.eps <= 0:
-        raise bad("training.optimizer.eps", opt.eps, "a number > 0")
-    if opt.weight_decay < 0:
-        raise bad("training.optimizer.weight_decay", opt.weight_decay, "a number >= 0")
-    if opt.implementation != "auto" and opt.name != "adamw":
-        raise bad("training.optimizer.implementation", opt.implementation, f"auto with name {opt.name!r} (it chooses AdamW's kernel)")
-    defaults = OptimizerConfig()
-    for key in ("prodigy_d_coef", "prodigy_safeguard_warmup", "prodigy_use_bias_correction"):
-        if opt.name != "prodigy" and getattr(opt, key) != getattr(defaults, key):
-            raise bad(f"training.optimizer.{key}", getattr(opt, key), f"its default with name {opt.name!r} (it applies to prodigy only)")
-    if not opt.prodigy_d_coef > 0:
-        raise bad("training.optimizer.prodigy_d_coef", opt.prodigy_d_coef, "a number > 0")
-    if opt.name in OPTIMIZER_LIBRARIES:
-        module, install = OPTIMIZER_LIBRARIES[opt.name]
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"{source}: training.optimizer.name: {opt.name} needs {module} (pip install {install})")
-    if opt.lr_warmup_steps < 0:
-        raise bad("training.optimizer.lr_warmup_steps", opt.lr_warmup_steps, "an integer >= 0")
-    loop = cfg.training.loop
-    if loop.max_train_steps < 1:
-        raise bad("training.loop.max_train_steps", loop.max_train_steps, "an integer >= 1")
-    if loop.gradient_accumulation_steps < 1:
-        raise bad(
-            "training.loop.gradient_accumulation_steps", loop.gradient_accumulation_steps, "an integer >= 1"
-        )
-    if loop.max_consecutive_skips < 0:
-        raise bad("training.loop.max_consecutive_skips", loop.max_consecutive_skips, "an integer >= 0")
-    data = cfg.training.data
-    if data.train_batch_size < 1:
-        raise bad("training.data.train_batch_size", data.train_batch_size, "an integer >= 1")
-    if data.text_max_length < 1:
-        raise bad("training.data.text_max_length", data.text_max_length, "an integer >= 1")
-    if data.dataloader_num_workers < 0:
-        raise bad("training.data.dataloader_num_workers", data.dataloader_num_workers, "an integer >= 0")
-    if not 0.0 <= data.training_cfg_rate <= 1.0:
-        raise bad("training.data.training_cfg_rate", data.training_cfg_rate, "a number in [0, 1]")
-    if data.num_frames is not None and (data.num_frames - 1) % 4 != 0:
-        raise bad("training.data.num_frames", data.num_frames, "a frame count of the form 4k+1")
-    if data.tiny_num_frames < 1 or (data.tiny_num_frames - 1) % 4 != 0:
-        raise bad("training.data.tiny_num_frames", data.tiny_num_frames, "a frame count of the form 4k+1")
-    for i, entry in enumerate(data.mix):
-        if set(entry) - {"data_path", "weight"} or "data_path" not in entry:
-            raise bad(f"training.data.mix[{i}]", entry, "a mapping with data_path and optional weight")
-        if not isinstance(entry["data_path"], str) or not entry["data_path"]:
-            raise bad(f"training.data.mix[{i}].data_path", entry["data_path"], "a Parquet folder or file")
-        weight = entry.get("weight", 1.0)
-        if isinstance(weight, str):  # YAML reads "1e-1" (no dot) as a string
-            try:
-                weight = float(weight)
-            except ValueError:
-                pass
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or weight == float("inf"):
-            raise bad(f"training.data.mix[{i}].weight", entry.get("weight"), "a number > 0")
-        entry["weight"] = float(weight)
-    for key in ("num_latent_t", "num_frames"):
-        if getattr(data, key) is not None and getattr(data, key) < 1:
-            raise bad(f"training.data.{key}", getattr(data, key), "an integer >= 1 (or null)")
-    for key in ("num_height", "num_width"):
-        side = getattr(data, key)
-        if side is not None and (side <= 0 or side % 8):
-            raise bad(f"training.data.{key}", side, "a positive multiple of 8 pixels (or null)")
-    ck = cfg.training.checkpoint
-    if ck.training_state_checkpointing_steps < 0:
-        raise bad(
-            "training.checkpoint.training_state_checkpointing_steps",
-            ck.training_state_checkpointing_steps,
-            "an integer >= 0 (0 = off)",
-        )
-    if ck.checkpoints_total_limit < 0:
-        raise bad("training.checkpoint.checkpoints_total_limit", ck.checkpoints_total_limit, "an integer >= 0")
-    if not ck.output_dir:
-        raise bad("training.checkpoint.output_dir", ck.output_dir, "a folder path")
-    tm = cfg.training.model
-    st = cfg.models.student
-    if st.storage_dtype is not None and not st.lora.enable:
-        raise ConfigError(
-            f"{source}: key 'models.student.storage_dtype': {st.storage_dtype!r} stores a frozen base in low "
-            "precision, so it needs models.student.lora.enable: true (a fully trained model keeps its weights "
-            "in torch_dtype); remove the key or enable LoRA"
-        )
-    if st.storage_dtype is not None and tm.compile != "none":
-        raise ConfigError(
-            f"{source}: key 'training.model.compile': {tm.compile!r} with models.student.storage_dtype "
-            f"{st.storage_dtype!r}: the compiled blocks cannot replay the per-layer weight casts (gradient "
-            "checkpointing's recompute sees the storage dtype); use one of the two"
-        )
-    if tm.logit_std < 0:
-        raise bad("training.model.logit_std", tm.logit_std, "a number >= 0")
-    cp = tm.context_parallel
-    for name in ("ulysses", "ring"):
-        value = getattr(cp, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise bad(f"training.model.context_parallel.{name}", value, "an integer >= 1")
-    if cp.ring > 1:
-        # diffusers' ring attention merges partial results by their log-sum-exp, which its native
-        # SDPA backend (the one that runs on CPU and the one fv_accel's processors use) cannot return.
-        raise ConfigError(
-            f"{source}: key 'training.model.context_parallel.ring': {cp.ring}: ring attention is not supported "
-            "(diffusers' native attention backend returns no log-sum-exp); use ulysses"
-        )
-    val = cfg.callbacks.validation
-    if cp.degree > 1 and val.enable and cfg.models.student.causal and (val.prompts or val.prompt_file):
-        # A causal student samples block by block over a KV cache, which the Ulysses split does not serve.
-        raise ConfigError(
-            f"{source}: key 'callbacks.validation.prompts': sample videos of a causal student do not run under "
-            f"training.model.context_parallel (ulysses {cp.ulysses}); remove the prompts (the held-out loss runs)"
-        )
-    if cfg.training.tracker.log_every < 1:
-        raise bad("training.tracker.log_every", cfg.training.tracker.log_every, "an integer >= 1")
-    for name in cfg.training.tracker.trackers:
-        if name not in ("tensorboard", "wandb", "none"):
-            raise bad("training.tracker.trackers", name, "'tensorboard', 'wandb' or 'none'")
-    hub = cfg.training.hub
-    if hub.push_to_hub and not hub.repo_id:
-        raise bad("training.hub.repo_id", hub.repo_id, "a Hub repo id (user/name) when training.hub.push_to_hub is true")
-    if hub.repo_id is not None and re.fullmatch(r"[\w.-]+/[\w.-]+|[\w.-]+", hub.repo_id) is None:
-        raise bad("training.hub.repo_id", hub.repo_id, "a Hub repo id (user/name)")
-    st = cfg.models.student
-    if st.flow_shift is not None and st.flow_shift <= 0:
-        raise bad("models.student.flow_shift", st.flow_shift, "a number > 0")
-    if st.trust_remote_code:
-        raise bad(
-            "models.student.trust_remote_code",
-            st.trust_remote_code,
-            "false: fv_accel never runs a model repository's own code (it loads diffusers' classes from "
-            "safetensors weights)",
-        )
-    if st.init_from is None and st.transformer_config is None:
-        raise bad("models.student.init_from", None, "a Hub id or folder, or models.student.transformer_config")
-    if st.local_attn_size != -1 and st.local_attn_size < 1:
-        raise bad("models.student.local_attn_size", st.local_attn_size, "-1 (no window) or a frame count >= 1")
-    if st.sink_size < 0:
-        raise bad("models.student.sink_size", st.sink_size, "an integer >= 0")
-    if st.lora.rank < 1:
-        raise bad("models.student.lora.rank", st.lora.rank, "an integer >= 1")
-    if st.lora.alpha <= 0:
-        raise bad("models.student.lora.alpha", st.lora.alpha, "a number > 0")
-    if not 0.0 <= st.lora.dropout < 1.0:
-        raise bad("models.student.lora.dropout", st.lora.dropout, "a number in [0, 1)")
-    if (st.latents_mean is None) != (st.latents_std is None):
-        raise bad("models.student.latents_std", st.latents_std, "set together with latents_mean")
-    if st.latents_std is not None and any(s <= 0 for s in st.latents_std):
-        raise bad("models.student.latents_std", st.latents_std, "positive numbers")
-    if cfg.callbacks.grad_clip.max_grad_norm < 0:
-        raise bad("callbacks.grad_clip.max_grad_norm", cfg.callbacks.grad_clip.max_grad_norm, "a number >= 0")
-    if not 0.0 < cfg.callbacks.ema.decay < 1.0:
-        raise bad("callbacks.ema.decay", cfg.callbacks.ema.decay, "a number in (0, 1)")
-    val = cfg.callbacks.validation
-    if val.every_steps < 1:
-        raise bad("callbacks.validation.every_steps", val.every_steps, "an integer >= 1")
-    if val.sampling_steps < 1:
-        raise bad("callbacks.validation.sampling_steps", val.sampling_steps, "an integer >= 1")
-    if not 0.0 <= val.heldout_fraction < 1.0:
-        raise bad("callbacks.validation.heldout_fraction", val.heldout_fraction, "a number in [0, 1)")
-    for key in ("height", "width"):
-        side = getattr(val, key)
-        if side is not None and (side <= 0 or side % 16):
-            raise bad(f"callbacks.validation.{key}", side, "a positive multiple of 16")
-    if val.num_frames is not None and (val.num_frames < 1 or (val.num_frames - 1) % 4):
-        raise bad("callbacks.validation.num_frames", val.num_frames, "a frame count of the form 4k+1")
-    if val.guidance_scale < 0:
-        raise bad("callbacks.validation.guidance_scale", val.guidance_scale, "a number >= 0")
-    if val.sampling_flow_shift <= 0:
-        raise bad("callbacks.validation.sampling_flow_shift", val.sampling_flow_shift, "a number > 0")
-    if val.fps < 1:
-        raise bad("callbacks.validation.fps", val.fps, "an integer >= 1")
-    if val.distance_clips < 0:
-        raise bad("callbacks.validation.distance_clips", val.distance_clips, "an integer >= 0 (0: off)")
-    if val.ar_step is not None and val.ar_step < 0:
-        raise bad("callbacks.validation.ar_step", val.ar_step, "an integer >= 0, or null (chunk by chunk)")
-    if not 0.0 <= val.context_noise < 1.0:
-        raise bad("callbacks.validation.context_noise", val.context_noise, "a sigma in [0, 1)")
-    if val.heldout_fraction > 0 and val.heldout_data_path:
-        raise bad(
-            "callbacks.validation.heldout_fraction",
-            val.heldout_fraction,
-            f"0 when callbacks.validation.heldout_data_path is set ({val.heldout_data_path!r}): one held-out set",
-        )
-    if val.heldout_max_samples < 1:
-        raise bad("callbacks.validation.heldout_max_samples", val.heldout_max_samples, "an integer >= 1")
-    if not val.heldout_sigma_buckets or not all(0.0 < s <= 1.0 for s in val.heldout_sigma_buckets):
-        raise bad("callbacks.validation.heldout_sigma_buckets", val.heldout_sigma_buckets, "sigmas in (0, 1]")
-    for i, pattern in enumerate(val.heldout_chunk_patterns):
-        ok = pattern in ("ramp_up", "ramp_down", "clean_context") if isinstance(pattern, str) else (
-            bool(pattern) and all(0.0 <= s <= 1.0 for s in pattern)
-        )
-        if not ok:
-            raise bad(
-                f"callbacks.validation.heldout_chunk_patterns[{i}]",
-                pattern,
-                "ramp_up, ramp_down, clean_context or a list of sigmas in [0, 1]",
-            )
-    if cfg.training.tracker.peak_tflops is not None and cfg.training.tracker.peak_tflops <= 0:
-        raise bad("training.tracker.peak_tflops", cfg.training.tracker.peak_tflops, "a number > 0")
+
+# The order in which the sections are checked (the first problem is reported).
+CHECK_ORDER = ("training", "models", "method", "callbacks")
+
+
+def _sections(section: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """(dotted path, section) for `section` and the sections inside it, depth first."""
+    yield path, section
+    for f in dataclasses.fields(section):
+        child = getattr(section, f.name)
+        if dataclasses.is_dataclass(child):
+            yield from _sections(child, f"{path}.{f.name}")
 
 
 # The one parser of `method.chunk_size`: DFSFT's chunks and a causal student's block size.
@@ -689,7 +750,7 @@ def _parse_override_value(text: str, dotted: str = "") -> Any:
     if takes_text:
         return None if optional and text.strip() in ("null", "Null", "NULL", "~", "") else text
     try:
-        return yaml.safe_load(text)
+        return load_recipe_yaml(text, f"command line --{dotted}" if dotted else "command line")
     except yaml.YAMLError:
         return text
 
@@ -761,12 +822,127 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"{path}: recipe file not found")
     with open(path, encoding="utf-8") as fh:
         try:
-            data = yaml.safe_load(fh) or {}
+            data = load_recipe_yaml(fh, str(path)) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the recipe must be a mapping of sections")
     return data
+
+
+# Anchors and aliases stay allowed in recipes (a block shared by two sections, `<<: *defaults`),
+# but what they add when expanded is bounded: a recipe is a few hundred nodes, and an alias bomb
+# (9 aliases of 9 aliases of ...) is billions. Counted on PyYAML's node graph, where an alias is
+# the anchored node itself, before anything is constructed.
+MAX_ALIAS_EXPANSION = 10_000
+YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that keeps the document's anchors (name -> node) after composing it,
+    so that a refused alias can be named."""
+
+    def compose_document(self) -> Any:
+        self.get_event()  # the document start
+        node = self.compose_node(None, None)
+        self.get_event()  # the document end
+        self.recipe_anchors = dict(self.anchors)
+        self.anchors = {}
+        return node
+
+
+def load_recipe_yaml(stream: Any, source: str) -> Any:
+    """`yaml.safe_load` for recipes: a key repeated in one mapping and aliases that expand beyond
+    MAX_ALIAS_EXPANSION nodes are a ConfigError naming `source` and the line, raised on the
+    composed node graph, before any alias is expanded."""
+    loader = _RecipeLoader(stream)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        check_yaml_nodes(node, source, getattr(loader, "recipe_anchors", {}))
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def check_yaml_nodes(root: yaml.Node, source: str, anchors: dict[str, yaml.Node]) -> None:
+    _check_alias_expansion(root, source, anchors)
+    _check_duplicate_keys(root, source)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_alias_expansion(root: yaml.Node, source: str, anchors: dict[str, yaml.Node]) -> None:
+    """Count the nodes of the expanded document with one visit per distinct node (sizes memoised
+    by node identity); refuse a recursive alias or an expansion beyond MAX_ALIAS_EXPANSION."""
+    sizes: dict[int, int] = {}
+    visiting: set[int] = set()
+    names = {id(node): name for name, node in anchors.items()}
+
+    def where(node: yaml.Node) -> str:
+        name = names.get(id(node))
+        return f"the anchor &{name} at line {node.start_mark.line + 1}" if name else f"line {node.start_mark.line + 1}"
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in visiting:
+            raise ConfigError(f"{source}: {where(node)} refers to itself through an alias (a recursive structure); recipes cannot hold one")
+        visiting.add(key)
+        total = 1 + sum(size(child) for child in _children(node))  # as deep as PyYAML's own composer went
+        visiting.discard(key)
+        sizes[key] = total
+        return total
+
+    expanded = size(root)
+    added = expanded - len(sizes)
+    if added > MAX_ALIAS_EXPANSION:
+        biggest = max((n for n in anchors.values() if id(n) in sizes), key=lambda n: sizes[id(n)], default=root)
+        raise ConfigError(
+            f"{source}: its aliases expand the recipe to {expanded:,} YAML nodes ({added:,} added by aliases, more than "
+            f"the {MAX_ALIAS_EXPANSION:,} allowed; the largest is {where(biggest)}, {sizes[id(biggest)]:,} nodes); "
+            "refused before expanding it: write the values out or share fewer of them"
+        )
+
+
+def _check_duplicate_keys(root: yaml.Node, source: str) -> None:
+    """A key given twice in one mapping (a second `training:` section, a repeated leaf key), which
+    YAML loaders resolve by silently keeping the last one. Merge keys (`<<`) are not duplicates."""
+    seen_nodes: set[int] = set()
+    todo: list[tuple[yaml.Node, str]] = [(root, "")]
+    while todo:
+        node, path = todo.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            todo += [(child, f"{path}[{i}]") for i, child in enumerate(node.value)]
+            continue
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        first_line: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != YAML_MERGE_TAG:
+                key = (key_node.tag, key_node.value)
+                dotted = f"{path}.{key_node.value}" if path else str(key_node.value)
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    raise ConfigError(
+                        f"{source}: line {line}: key '{dotted}' is given a second time (first at line {first_line[key]}); "
+                        "YAML would keep only the last one: merge the two into one"
+                    )
+                first_line[key] = line
+                todo.append((value_node, dotted))
+            else:
+                todo.append((value_node, path))
 
 
 def _deep_copy(data: Any) -> Any:

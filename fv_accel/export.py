@@ -6,9 +6,14 @@
 - `diffusers`: a LoRA run -> `pytorch_lora_weights.safetensors` (with adapter metadata) for
   `WanPipeline.load_lora_weights(DIR)`; a full run -> `DIR/transformer/` for
   `WanTransformer3DModel.from_pretrained(DIR, subfolder="transformer")`.
-- `comfyui`: a LoRA run -> `pytorch_lora_weights_comfyui.safetensors` (`diffusion_model.` keys).
+- `comfyui`: a LoRA run -> `pytorch_lora_weights_comfyui.safetensors` (`diffusion_model.` keys, in
+  the family's original layout: Wan, HunyuanVideo, LTX-Video, Cosmos-Predict2).
 - `merged`: a LoRA run folded into its base -> `DIR/transformer/` (base from `--base`, else the
   run's `base_model.json` or checkpoint config).
+- A Wan 2.2 A14B run of both experts (`models.student.expert: both`) exports each expert:
+  `pytorch_lora_weights.safetensors` and `..._transformer_2.safetensors` (diffusers),
+  `pytorch_lora_weights_comfyui_high_noise.safetensors` and `..._low_noise.safetensors`, and the
+  merged `transformer/` (high noise) and `transformer_2/` (low noise), the repo's layout.
 
 Sources, in the order they are looked for: a LoRA file; a folder with
 `pytorch_lora_weights.safetensors` (a LoRA run's output or checkpoint); a folder with
@@ -25,6 +30,12 @@ Without `--out` the export goes to the run's output folder, never into a checkpo
 `checkpoints_total_limit` deletes with everything in it): `<output_dir>/exports/<checkpoint-N>_<to>`
 for a checkpoint, `<output_dir>/exports/final_<to>` for a run's final weights, and
 `<folder>/exports/<file name>_<to>` for a LoRA file elsewhere.
+
+Every target writes into `<out>.partial/` and what it wrote is renamed into `<out>` once complete
+(the whole folder when `<out>` does not exist yet, else each entry, replacing the one of an earlier
+export), so an export killed at any point leaves no folder that looks complete. A failed export
+removes its partial folder; a killed one leaves it, and the next export to the same `<out>` names
+it and removes it (unless the export that writes it still runs).
 """
 
 from __future__ import annotations
@@ -84,7 +95,8 @@ class ExportProgress:
 def stage_count(src: "ExportSource", to: str) -> int:
     """Stages of an export of `src` to `to` (the bar's total); see the `stage(...)` calls below."""
     if to == "merged":
-        return 4  # reading the LoRA, loading the base, merging, saving
+        # reading the LoRA, then per expert: loading the base, merging, saving
+        return 1 + 3 * (2 if src.base.get("expert") == "both" else 1)
     if to == "diffusers" and src.kind == "full" and src.transformer_dir is None:
         return 3  # reading the checkpoint, loading the weights, saving
     return 1  # one copy or conversion
@@ -120,6 +132,7 @@ def _base_from_folder(folder: Path) -> dict[str, Any]:
                     "torch_dtype": student.get("torch_dtype", "float32"),
                     "model_class": student.get("model_class", "auto"),
                     "transformer_config": student.get("transformer_config"),
+                    "expert": student.get("expert"),
                 }
     return {}
 
@@ -197,10 +210,10 @@ def _transformer_class(st) -> tuple[type, dict]:
     return next(c for c in family.transformer_classes.values() if c.__name__ == config.get("_class_name")), config
 
 
-def _save_transformer(transformer, out: Path, attention: Optional[dict[str, Any]] = None) -> Path:
+def _save_transformer(transformer, out: Path, attention: Optional[dict[str, Any]] = None, folder: str = "transformer") -> Path:
     from fv_accel.models.attention import mark_saved_attention
 
-    target = out / "transformer"
+    target = out / folder
     transformer.save_pretrained(target, safe_serialization=True)
     mark_saved_attention(target / "config.json", attention)  # a causal student stays marked
     return target
@@ -210,6 +223,8 @@ def export_diffusers(src: ExportSource, out: Path, stage: Stage = contextlib.nul
     from fv_accel.models.lora import read_lora_file
 
     out.mkdir(parents=True, exist_ok=True)
+    if src.kind == "lora" and src.base.get("expert") == "both":
+        return _export_expert_loras(src, out, stage)
     if src.kind == "lora":
         with stage("copying the LoRA"):
             _, metadata = read_lora_file(src.lora_file)  # validates layout and metadata
@@ -244,19 +259,73 @@ def export_diffusers(src: ExportSource, out: Path, stage: Stage = contextlib.nul
         return [_save_transformer(transformer, out, src.base.get("attention"))]
 
 
+def _expert_loras(src: ExportSource) -> dict[Optional[str], tuple[dict, Optional[dict]]]:
+    """(state, metadata) of the LoRA of each trained transformer, keyed by the Wan 2.2 expert it
+    belongs to (None: the run's one transformer). A run of both experts keeps them in two files
+    (`pytorch_lora_weights.safetensors` and `..._transformer_2.safetensors`), its checkpoints in one
+    whose keys start with the expert's name."""
+    from fv_accel.models.lora import read_lora_file
+
+    state, metadata = read_lora_file(src.lora_file)
+    expert = src.base.get("expert")
+    if expert != "both":
+        return {expert: (state, metadata)}
+    from fv_accel.models.wan import EXPERT_SUBFOLDERS, LORA_FILE_SUFFIX
+
+    parts = {name: {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")} for name in EXPERT_SUBFOLDERS}
+    if all(parts.values()):
+        return {name: (part, metadata) for name, part in parts.items()}
+    loras = {}
+    for name, suffix in LORA_FILE_SUFFIX.items():
+        path = src.lora_file.with_name(DIFFUSERS_LORA_FILE.replace(".safetensors", f"{suffix}.safetensors"))
+        if not path.is_file():
+            raise ExportError(
+                f"{src.path}: a run of both Wan 2.2 experts (models.student.expert: both) keeps the {name} expert's "
+                f"LoRA in {path.name}, which is missing"
+            )
+        loras[name] = read_lora_file(path)
+    return loras
+
+
+def _export_expert_loras(src: ExportSource, out: Path, stage: Stage) -> list[Path]:
+    """Both Wan 2.2 experts' LoRA files, as a run of both writes them (the low-noise one with the
+    `_transformer_2` suffix), from the run's files or a checkpoint's one file."""
+    from fv_accel.models.lora import save_diffusers_lora
+    from fv_accel.models.wan import LORA_FILE_SUFFIX
+
+    family = _family(src.base)
+    with stage("writing each expert's LoRA"):
+        written = []
+        for expert, (state, metadata) in _expert_loras(src).items():
+            if metadata is None:
+                raise ExportError(f"{src.lora_file}: no adapter metadata (alpha unknown)")
+            name = DIFFUSERS_LORA_FILE.replace(".safetensors", f"{LORA_FILE_SUFFIX[expert]}.safetensors")
+            pipeline_cls = family.lora_pipeline_class(src.base.get("model_class") or "wan")
+            written.append(save_diffusers_lora(out, state, metadata, pipeline_cls=pipeline_cls, weight_name=name))
+        return written
+
+
 def export_comfyui(src: ExportSource, out: Path, stage: Stage = contextlib.nullcontext) -> list[Path]:
-    from fv_accel.models.lora import read_lora_file, save_comfyui_lora
+    from fv_accel.models.lora import save_comfyui_file
 
     if src.kind != "lora":
         raise ExportError(
             f"{src.path}: the ComfyUI export is for LoRA runs; a full fine-tune exports with --to diffusers"
         )
     family = _family(src.base)
-    if not family.comfyui_lora:
-        raise ExportError(f"{src.path}: ComfyUI has no LoRA layout for the {family.family} family; use --to diffusers or merged")
     with stage("converting the LoRA"):
-        state, metadata = read_lora_file(src.lora_file)
-        return [save_comfyui_lora(out / COMFYUI_LORA_FILE, state, metadata, family.comfyui_module_name)]
+        loras = _expert_loras(src)
+        written = []
+        for expert, (state, metadata) in loras.items():
+            comfy = family.comfyui_lora_state(state, metadata, lambda: _transformer_class(_student_config(src.base, None, None))[1])
+            if comfy is None:
+                raise ExportError(
+                    f"{src.path}: ComfyUI has no LoRA layout for the {family.family} family; use --to diffusers or merged"
+                )
+            # One expert of a run of both is named after it; a single expert keeps the run's file name.
+            name = COMFYUI_LORA_FILE if len(loras) == 1 else COMFYUI_LORA_FILE.replace(".safetensors", f"_{expert}.safetensors")
+            written.append(save_comfyui_file(out / name, comfy))
+        return written
 
 
 def _family(base: dict[str, Any]) -> type:
@@ -281,7 +350,9 @@ def _family(base: dict[str, Any]) -> type:
 def export_merged(
     src: ExportSource, out: Path, *, base: Optional[str] = None, dtype: Optional[str] = None, stage: Stage = contextlib.nullcontext
 ) -> list[Path]:
-    from fv_accel.models.lora import merge_lora, read_lora_file
+    """Each trained transformer's LoRA folded into its base, saved as `transformer/` (a Wan 2.2
+    expert: the repo's subfolder of that expert, `transformer/` high noise, `transformer_2/` low)."""
+    from fv_accel.models.lora import merge_lora
     from fv_accel.models.loading import load_transformer
 
     if src.kind != "lora":
@@ -294,16 +365,25 @@ def export_merged(
         )
     with stage("reading the LoRA"):
         cls, _ = _transformer_class(st)
-        state, metadata = read_lora_file(src.lora_file)
-    with stage(f"loading the base {st.init_from}"):
-        classes = _family(src.base).transformer_classes
-        transformer = load_transformer(st, classes, {c.__name__: kind for kind, c in classes.items()})
-        if not isinstance(transformer, cls):
-            raise ExportError(f"model '{st.init_from}': its transformer is a {type(transformer).__name__}, not the run's {cls.__name__}")
-    with stage("merging"):
-        merge_lora(transformer, state, metadata)
-    with stage("saving the transformer"):
-        return [_save_transformer(transformer, out, src.base.get("attention"))]
+        loras = _expert_loras(src)
+    from fv_accel.models.wan import EXPERT_SUBFOLDERS
+
+    classes = _family(src.base).transformer_classes
+    written = []
+    for expert, (state, metadata) in loras.items():
+        subfolder = EXPERT_SUBFOLDERS[expert] if expert in EXPERT_SUBFOLDERS else st.subfolder
+        with stage(f"loading the base {st.init_from} ({subfolder})"):
+            transformer = load_transformer(st, classes, {c.__name__: kind for kind, c in classes.items()}, subfolder=subfolder)
+            if not isinstance(transformer, cls):
+                raise ExportError(
+                    f"model '{st.init_from}': its transformer is a {type(transformer).__name__}, not the run's {cls.__name__}"
+                )
+        with stage("merging"):
+            merge_lora(transformer, state, metadata)
+        with stage("saving the transformer"):
+            folder = subfolder if expert in EXPERT_SUBFOLDERS else "transformer"
+            written.append(_save_transformer(transformer, out, src.base.get("attention"), folder=folder))
+    return written
 
 
 def _enclosing_checkpoint(path: Path) -> Optional[Path]:
@@ -324,6 +404,90 @@ def default_export_dir(src: ExportSource, to: str) -> Path:
     return src.path / "exports" / f"final_{to}"
 
 
+PARTIAL_SUFFIX = ".partial"
+# In a partial export folder: the process writing it (fv_accel.output_dir.process_record).
+PARTIAL_OWNER = ".fv_export_owner.json"
+
+
+def partial_export_dir(out: Path) -> Path:
+    return out.with_name(out.name + PARTIAL_SUFFIX)
+
+
+def remove_partial_export(partial: Path) -> None:
+    """Remove what an interrupted export to the same folder left, naming it on stderr; refuse if the
+    export writing it still runs."""
+    import sys
+
+    from fv_accel.output_dir import process_ended
+
+    if not partial.exists():
+        return
+    try:
+        owner = json.loads((partial / PARTIAL_OWNER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        owner = {}
+    if owner and process_ended(owner) is None:
+        raise ExportError(
+            f"{partial} is being written by another export (pid {owner.get('pid')} on {owner.get('hostname')}, started "
+            f"{owner.get('started')}); wait for it to end, or export to another --out"
+        )
+    sys.stderr.write(f"removing {partial}: the partial export an interrupted export left\n")
+    shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
+
+
+def publish_export(partial: Path, out: Path, written: list[Path]) -> list[Path]:
+    """Move a finished export from `partial` into `out`: one rename of the folder when `out` does not
+    exist, else one rename per entry (an earlier export's entry of the same name is replaced)."""
+    from fv_accel.checkpoint import fsync_dir
+
+    moved = [out / p.relative_to(partial) for p in written]
+    if not out.exists():
+        partial.rename(out)
+    else:
+        for entry in sorted(partial.iterdir()):
+            target = out / entry.name
+            old = out / f".{entry.name}.old"
+            if old.exists():
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+            if target.exists() or target.is_symlink():
+                target.rename(old)
+            entry.rename(target)
+            if old.exists():
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        partial.rmdir()
+    fsync_dir(out.parent)
+    return moved
+
+
+def write_export_atomically(out: Path, write: Callable[[Path], list[Path]]) -> list[Path]:
+    """Run one export target (`write(folder) -> written paths`) into `<out>.partial/` and publish it."""
+    from fv_accel.checkpoint import fsync_tree
+    from fv_accel.output_dir import process_record
+
+    partial = partial_export_dir(out)
+    remove_partial_export(partial)
+    try:
+        partial.mkdir(parents=True)
+        (partial / PARTIAL_OWNER).write_text(json.dumps(process_record()) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise ExportError(f"cannot write the export {out}: {partial}: {err.strerror or err}") from None
+    try:
+        written = write(partial)
+        (partial / PARTIAL_OWNER).unlink()
+        fsync_tree(partial)
+        return publish_export(partial, out, written)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _unreadable_source(src: ExportSource, err: Exception) -> ExportError:
+    from fv_accel.checkpoint import first_line
+
+    weights = src.lora_file or src.checkpoint_weights or src.path
+    return ExportError(f"{weights}: not a readable safetensors file ({type(err).__name__}{first_line(err, ': ')})")
+
+
 def export(path: str | Path, to: str, out: Optional[str | Path] = None, *, base: Optional[str] = None, dtype: Optional[str] = None) -> list[Path]:
     if to not in TARGETS:
         raise ExportError(f"--to {to!r}: expected one of {', '.join(TARGETS)}")
@@ -336,12 +500,20 @@ def export(path: str | Path, to: str, out: Optional[str | Path] = None, *, base:
         )
     out_dir = Path(out) if out is not None else default_export_dir(src, to)
     progress = ExportProgress(to, stage_count(src, to))
-    try:
+
+    def write(folder: Path) -> list[Path]:
         if to == "diffusers":
-            return export_diffusers(src, out_dir, progress.stage)
+            return export_diffusers(src, folder, progress.stage)
         if to == "comfyui":
-            return export_comfyui(src, out_dir, progress.stage)
-        return export_merged(src, out_dir, base=base, dtype=dtype, stage=progress.stage)
+            return export_comfyui(src, folder, progress.stage)
+        return export_merged(src, folder, base=base, dtype=dtype, stage=progress.stage)
+
+    from safetensors import SafetensorError
+
+    try:
+        return write_export_atomically(out_dir, write)
+    except SafetensorError as err:  # a source whose header lies about its tensors
+        raise _unreadable_source(src, err) from None
     finally:
         progress.close()
 
@@ -367,7 +539,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     try:
         written = export(args.source, args.to, args.out, base=args.base, dtype=args.dtype)
-    except (ExportError, ModelLoadError, FileNotFoundError, ValueError) as err:
+    except (ExportError, ModelLoadError, OSError, ValueError) as err:
         raise SystemExit(f"export failed: {err}") from None
     for path in written:
         print(f"wrote {path}")

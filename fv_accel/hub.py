@@ -73,14 +73,28 @@ def card_text(
     model_class, `task` "t2v"/"i2v", `shift` the training shift it used, `data_size` the number of
     training clips (held-out ones left out), `steps` the final step; `repo_id` is what the loading snippets load (else the folder).
     """
-    import yaml
-
     output_dir = Path(output_dir)
     st = cfg.models.student
-    method = cfg.method.name
     lora = bool(st.lora.enable)
     task = task if task in PIPELINE_TAGS else "t2v"
     base = st.init_from if _is_hub_id(st.init_from) else None
+    front = _front_matter(cfg, family, task, base, lora)
+    where = repo_id or str(output_dir.resolve())
+    title = repo_id or cfg.training.tracker.run_name
+    lines = [f"---\n{front}\n---", "", f"# {title}", ""]
+    lines += _training_lines(cfg, lora, shift, data_size, steps, summary)
+    lines += ["", "## Use it with diffusers", ""]
+    lines += _diffusers_snippet(output_dir, where, family, kind, lora, base or st.init_from)
+    lines += _usage_notes(output_dir, cfg)
+    lines += _sample_lines(output_dir, cfg)
+    return "\n".join(lines) + "\n"
+
+
+def _front_matter(cfg: Any, family: Any, task: str, base: Optional[str], lora: bool) -> str:
+    """The card's YAML front matter: base model, library, pipeline tag and tags."""
+    import yaml
+
+    method = cfg.method.name
     tags = ["fv_accel", "diffusers", "video-generation", PIPELINE_TAGS[task], method, *METHOD_TAGS.get(method, [])]
     if lora:
         tags.append("lora")
@@ -90,13 +104,17 @@ def card_text(
     if base:
         meta["base_model"] = base
     meta.update(library_name="diffusers", pipeline_tag=PIPELINE_TAGS[task], tags=tags)
-    front = yaml.safe_dump(meta, sort_keys=False).strip()
+    return yaml.safe_dump(meta, sort_keys=False).strip()
 
-    where = repo_id or str(output_dir.resolve())
-    title = repo_id or cfg.training.tracker.run_name
-    lines = [f"---\n{front}\n---", "", f"# {title}", ""]
+
+def _training_lines(
+    cfg: Any, lora: bool, shift: Any, data_size: Optional[int], steps: Optional[int], summary: Optional[dict]
+) -> list[str]:
+    """The card's first paragraph and its Training section: the recipe's method, schedule, data and the run's losses."""
+    st = cfg.models.student
+    method = cfg.method.name
     base_text = f"`{st.init_from}`" if st.init_from else "a transformer built from the recipe's inline `transformer_config` (randomly initialised, fv_accel's tiny model)"
-    lines += [
+    lines = [
         f"A {'LoRA' if lora else 'full'} fine-tune of {base_text} trained with "
         "fv_accel (FastVideo's training methods on diffusers + Accelerate).",
         "",
@@ -126,11 +144,15 @@ def card_text(
             lines.append(f"- training loss {first:.4f} at the first step, {last:.4f} at the last")
         if summary.get("best_heldout_loss") is not None:
             lines.append(f"- best held-out loss {summary['best_heldout_loss']:.4f} at step {summary.get('best_heldout_step')}")
+    return lines
 
-    lines += ["", "## Use it with diffusers", ""]
-    lines += _diffusers_snippet(output_dir, where, family, kind, lora, base or st.init_from)
+
+def _usage_notes(output_dir: Path, cfg: Any) -> list[str]:
+    """After the diffusers snippet: the text length to sample with, and the ComfyUI file if there is one."""
     from fv_accel.data.loader import TEXT_MAX_LENGTH
 
+    data = cfg.training.data
+    lines: list[str] = []
     if data.text_max_length != TEXT_MAX_LENGTH:
         lines += ["", f"Trained on prompts padded to {data.text_max_length} tokens: sample with "
                   f"`pipe(..., max_sequence_length={data.text_max_length})`."]
@@ -142,7 +164,12 @@ def card_text(
             "Copy `pytorch_lora_weights_comfyui.safetensors` (keys in ComfyUI's `diffusion_model.` layout) into "
             "`ComfyUI/models/loras/` and apply it to the base model with a *LoraLoaderModelOnly* node.",
         ]
+    return lines
 
+
+def _sample_lines(output_dir: Path, cfg: Any) -> list[str]:
+    """The Samples section (the validation prompts and the last step's videos) and the Curves section."""
+    lines: list[str] = []
     step, videos = _last_samples(output_dir)
     prompts = list(cfg.callbacks.validation.prompts or []) if cfg.callbacks.validation.enable else []
     if prompts or videos:
@@ -164,7 +191,7 @@ def card_text(
     if figures:
         lines += ["", "## Curves", ""]
         lines += [f"![{t}](plots/{n})" for n, t in figures]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _diffusers_snippet(output_dir: Path, where: str, family: Any, kind: Optional[str], lora: bool, base: Optional[str]) -> list[str]:

@@ -86,7 +86,7 @@ def optimizer_state_bytes(cfg: RunConfig, tensors: list[tuple[tuple[int, ...], i
 # torch.utils.checkpoint) a block keeps only its input (S x D x a) and one block is recomputed at a
 # time in the backward pass. The backward frees saved tensors as it makes gradients: the measured
 # peak of a step (benchmarks/memory.py, CPU RSS) is the saved tensors plus the weight gradients,
-# with no further working set (README "Performance").
+# with no further working set (docs/performance.md).
 
 
 @dataclass
@@ -554,14 +554,43 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
     env = os.environ if env is None else env
     launch = launch_from_env(cfg, env)
     c = census(cfg)
-    st = cfg.models.student
     opt_name = cfg.training.optimizer.name
-    n = launch.processes
-    host: dict[str, float] = {}
     notes: list[str] = [f"transformer: {where}" for where in dict.fromkeys(c.sources) if where.startswith("the published")]
     low = launch.mixed_precision in ("bf16", "fp16")
     frozen_bytes = c.param_bytes - c.trainable_bytes
+    params, grads, opt_state = _model_state_bytes(cfg, launch, c, low, notes)
+    host: dict[str, float] = {}
+    ema = _ema_bytes(cfg, launch, c, host, notes)
+    if launch.offload_optimizer:
+        host["optimizer"] = opt_state
+        opt_state = 0.0
+    if launch.offload_params and (launch.engine == "FSDP" or (launch.engine == "DEEPSPEED" and launch.zero_stage >= 3)):
+        host["parameters"] = params
+        params = 0.0
 
+    checkpointing = cfg.training.model.enable_gradient_checkpointing_type == "full" or launch.fsdp_checkpointing
+    activations, bucket, note, parts = _activation_estimate(cfg, launch, c, low, checkpointing, notes)
+    return MemoryEstimate(
+        launch=launch,
+        census=c,
+        parameters=params,
+        gradients=grads,
+        optimizer=opt_state,
+        ema=ema,
+        activations=activations,
+        host=host,
+        bucket=bucket,
+        optimizer_name=opt_name,
+        checkpointing=checkpointing,
+        activation_note=note,
+        activation_parts=parts,
+        notes=notes + ([] if frozen_bytes == 0 else [f"frozen base stored in {_dtype_word(cfg)}"]),
+    )
+
+
+def _model_state_bytes(cfg: RunConfig, launch: Launch, c: ParamCensus, low: bool, notes: list[str]) -> tuple[float, float, float]:
+    """Per process: (parameters, gradients, optimizer state) bytes under the launch's engine."""
+    n = launch.processes
     # Under DeepSpeed the optimizer state is computed on fp32 elements (ZeRO's master copy, below).
     opt_state = optimizer_state_bytes(cfg, c.trainable_tensors, itemsize=4 if launch.engine == "DEEPSPEED" else None)
     if launch.engine == "DEEPSPEED":
@@ -590,23 +619,28 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
         if launch.engine == "DDP":
             grads *= 2
             notes.append("DDP: gradients counted twice (its gradient buckets, gradient_as_bucket_view off)")
+    return params, grads, opt_state
+
+
+def _ema_bytes(cfg: RunConfig, launch: Launch, c: ParamCensus, host: dict[str, float], notes: list[str]) -> float:
+    """The EMA's bytes per process on the accelerator (on the host: in `host`)."""
     ema = 0.0
     if cfg.callbacks.ema.enable:
         if launch.engine == "DEEPSPEED" and launch.zero_stage >= 3:
             notes.append("EMA: refused under ZeRO-3")
         else:
-            ema = 4.0 * c.trainable / (n if launch.engine == "FSDP" else 1)
+            ema = 4.0 * c.trainable / (launch.processes if launch.engine == "FSDP" else 1)
             if cfg.callbacks.ema.device == "cpu":
                 host["EMA"] = ema
                 ema = 0.0
-    if launch.offload_optimizer:
-        host["optimizer"] = opt_state
-        opt_state = 0.0
-    if launch.offload_params and (launch.engine == "FSDP" or (launch.engine == "DEEPSPEED" and launch.zero_stage >= 3)):
-        host["parameters"] = params
-        params = 0.0
+    return ema
 
-    checkpointing = cfg.training.model.enable_gradient_checkpointing_type == "full" or launch.fsdp_checkpointing
+
+def _activation_estimate(
+    cfg: RunConfig, launch: Launch, c: ParamCensus, low: bool, checkpointing: bool, notes: list[str]
+) -> tuple[Optional[float], Optional[Bucket], str, dict]:
+    """(activation bytes or None, the largest bucket, why not estimated, the activation parts):
+    the Wan transformer's formula on the largest bucket of the data."""
     activations: Optional[float] = None
     bucket: Optional[Bucket] = None
     note = ""
@@ -615,65 +649,51 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
     wan_family = all(name in ("WanTransformer3DModel", "SkyReelsV2Transformer3DModel") for name in c.class_names)
     if not wan_family or shapes[0] is None:
         note = f"activations not estimated: the formula is the Wan transformer's ({', '.join(sorted(set(c.class_names)))})"
-    else:
-        shape = shapes[0]
-        try:
-            bucket = largest_bucket(cfg, shape.patch, shape.in_channels)
-        except EstimateUnavailable as err:
-            note = str(err)
-        if bucket is not None:
-            # DeepSpeed casts the module to bf16 (no autocast); FSDP2 computes with bf16 copies of
-            # one or two blocks at a time; elsewhere autocast keeps bf16 copies of non-bf16 weights.
-            act_bytes = 2 if low else 4
-            copies = block_copies = 0.0
-            if low and launch.engine == "FSDP":
-                block_copies = 2 * 2 * c.largest_block_params
-            elif low and launch.engine != "DEEPSPEED":
-                # Saved for the backward: every copy; with checkpointing those outside the blocks
-                # and one recomputed block's. The autocast cache keeps the trainable ones' copies
-                # through the forward either way.
-                if checkpointing:
-                    copies = 2.0 * max(c.matmul_weights_trainable_not_bf16, c.matmul_outside_blocks_not_bf16)
-                    block_copies = 2.0 * c.largest_block_matmul_not_bf16
-                else:
-                    copies = 2.0 * c.matmul_weights_not_bf16
-            # Context parallelism splits each sequence's video tokens over ulysses x ring processes.
-            cp = cfg.training.model.context_parallel.degree
-            if cp > 1:
-                notes.append(f"context parallel degree {cp}: {math.ceil(bucket.tokens / cp):,} video tokens a process")
-            parts = wan_activation_bytes(
-                shape,
-                tokens=math.ceil(bucket.tokens / cp),
-                text_tokens=bucket.text_tokens,
-                act_bytes=act_bytes,
-                checkpointing=checkpointing,
-                weight_copy_bytes=copies,
-                block_weight_copy_bytes=block_copies,
-            )
-            activations = sum(parts.values())
-            if checkpointing and copies > 0.05 * activations:
-                notes.append(
-                    "components summed: with checkpointing the autocast weight copies (forward) and the gradients "
-                    "(backward) are not all alive at once, so the peak can be lower by up to the smaller of the two"
-                )
-            if len(shapes) > 1:
-                notes.append("two experts: activations of the one a step runs")
-    return MemoryEstimate(
-        launch=launch,
-        census=c,
-        parameters=params,
-        gradients=grads,
-        optimizer=opt_state,
-        ema=ema,
-        activations=activations,
-        host=host,
-        bucket=bucket,
-        optimizer_name=opt_name,
+        return activations, bucket, note, parts
+    shape = shapes[0]
+    try:
+        bucket = largest_bucket(cfg, shape.patch, shape.in_channels)
+    except EstimateUnavailable as err:
+        note = str(err)
+    if bucket is None:
+        return activations, bucket, note, parts
+    # DeepSpeed casts the module to bf16 (no autocast); FSDP2 computes with bf16 copies of
+    # one or two blocks at a time; elsewhere autocast keeps bf16 copies of non-bf16 weights.
+    act_bytes = 2 if low else 4
+    copies = block_copies = 0.0
+    if low and launch.engine == "FSDP":
+        block_copies = 2 * 2 * c.largest_block_params
+    elif low and launch.engine != "DEEPSPEED":
+        # Saved for the backward: every copy; with checkpointing those outside the blocks
+        # and one recomputed block's. The autocast cache keeps the trainable ones' copies
+        # through the forward either way.
+        if checkpointing:
+            copies = 2.0 * max(c.matmul_weights_trainable_not_bf16, c.matmul_outside_blocks_not_bf16)
+            block_copies = 2.0 * c.largest_block_matmul_not_bf16
+        else:
+            copies = 2.0 * c.matmul_weights_not_bf16
+    # Context parallelism splits each sequence's video tokens over ulysses x ring processes.
+    cp = cfg.training.model.context_parallel.degree
+    if cp > 1:
+        notes.append(f"context parallel degree {cp}: {math.ceil(bucket.tokens / cp):,} video tokens a process")
+    parts = wan_activation_bytes(
+        shape,
+        tokens=math.ceil(bucket.tokens / cp),
+        text_tokens=bucket.text_tokens,
+        act_bytes=act_bytes,
         checkpointing=checkpointing,
-        activation_note=note,
-        activation_parts=parts,
-        notes=notes + ([] if frozen_bytes == 0 else [f"frozen base stored in {_dtype_word(cfg)}"]),
+        weight_copy_bytes=copies,
+        block_weight_copy_bytes=block_copies,
     )
+    activations = sum(parts.values())
+    if checkpointing and copies > 0.05 * activations:
+        notes.append(
+            "components summed: with checkpointing the autocast weight copies (forward) and the gradients "
+            "(backward) are not all alive at once, so the peak can be lower by up to the smaller of the two"
+        )
+    if len(shapes) > 1:
+        notes.append("two experts: activations of the one a step runs")
+    return activations, bucket, note, parts
 
 
 def _dtype_word(cfg: RunConfig) -> str:

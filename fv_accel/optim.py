@@ -7,6 +7,7 @@ much state each keeps per process.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from typing import Any, Optional, Sequence
@@ -174,6 +175,36 @@ def optimizer_state_bytes(
     if any_8bit:
         total += 2 * BNB_QMAP_ENTRIES * 4
     return total
+
+
+# LR schedules whose shape does not depend on training.loop.max_train_steps (diffusers'
+# get_scheduler ignores num_training_steps for them).
+LENGTH_FREE_SCHEDULES = ("constant", "constant_with_warmup", "piecewise_constant")
+
+
+def schedule_length_change(cfg: Any, old_steps: int, step: int) -> str:
+    """What a new `training.loop.max_train_steps` does to the LR schedule of a run resumed at `step`
+    (it ran `old_steps` so far): nothing for a schedule that ignores the length; otherwise the
+    schedule is laid out again over the new length from the next step on (its LR there, and the
+    LR the old schedule gave at `step`)."""
+    opt = cfg.training.optimizer
+    new_steps = cfg.training.loop.max_train_steps
+    if opt.lr_scheduler in LENGTH_FREE_SCHEDULES:
+        return (
+            f"the {opt.lr_scheduler} LR schedule does not depend on the run's length: the run goes on as one straight "
+            f"run of {new_steps} steps would"
+        )
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=opt.learning_rate)
+    old_cfg = copy.deepcopy(cfg)
+    old_cfg.training.loop.max_train_steps = old_steps
+    old_fn = build_lr_scheduler(old_cfg, probe).lr_lambdas[0]
+    new_fn = build_lr_scheduler(cfg, probe).lr_lambdas[0]
+    return (
+        f"the {opt.lr_scheduler} LR schedule depends on the run's length: from step {step + 1} it follows the "
+        f"{new_steps}-step schedule (LR {opt.learning_rate * new_fn(step):.3g} there; the {old_steps}-step schedule "
+        f"gave {opt.learning_rate * old_fn(max(step - 1, 0)):.3g} at step {step}), "
+        f"so the weights differ from those of a straight {new_steps}-step run"
+    )
 
 
 def build_lr_scheduler(cfg: Any, optimizer: torch.optim.Optimizer) -> Any:

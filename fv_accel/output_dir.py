@@ -166,6 +166,19 @@ def _same_process(a: dict, b: dict) -> bool:
     )
 
 
+def process_record() -> dict[str, Any]:
+    """This process as a lock records it (pid, host, start time; SLURM job and restart count)."""
+    return _this_process()
+
+
+def process_ended(record: dict) -> Optional[str]:
+    """Why the process a lock-style record names has certainly ended, or None if it may still run."""
+    if not record:
+        return "the record is unreadable"
+    me = _this_process()
+    return None if _same_process(record, me) else _holder_gone(record, me)
+
+
 def _holder_gone(holder: dict, me: dict) -> Optional[str]:
     """Why the lock's holder has certainly ended, or None if it may still run."""
     if holder.get("hostname") == me["hostname"]:

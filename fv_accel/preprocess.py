@@ -28,6 +28,7 @@ import csv
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -67,7 +68,7 @@ CAPTION_COLUMNS = ("caption", "prompt", "text")
 # Files that may sit beside clips without being clips (not reported as unsupported).
 SIDE_FILE_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".csv", ".yaml", ".yml")
 METADATA_NAMES = ("metadata.csv", "metadata.jsonl")
-SETTINGS_VERSION = 2  # raised whenever the same settings would decode a clip differently
+SETTINGS_VERSION = 3  # raised whenever the same settings would decode a clip differently
 
 
 class InputError(ValueError):
@@ -119,9 +120,56 @@ def _extension_problem(name: str) -> Optional[tuple[str, str]]:
 
 
 def _visible_files(root: Path) -> list[Path]:
-    return sorted(
-        p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
-    )
+    return [f for f, problem in folder_entries(root) if problem is None]
+
+
+def _unfollowable_link(link: Path) -> tuple[str, str]:
+    """('dangling_link', detail) for a symbolic link that leads nowhere."""
+    try:
+        os.stat(link)
+        why = "it resolves now"
+    except OSError as err:
+        why = err.strerror or err.__class__.__name__
+    return ("dangling_link", f"a symbolic link to '{os.readlink(link)}' that cannot be followed ({why})")
+
+
+def folder_entries(root: Path) -> list[tuple[Path, Optional[tuple[str, str]]]]:
+    """Every visible file under `root` (no part of its path starts with '.'), in path order, links
+    to folders followed: (path, None), or (path, (reason, detail)) for a link that is not followed:
+    'dangling_link' (it leads nowhere), 'link_loop' (to a folder that contains it: following it
+    would never end) or 'link_to_listed_folder' (to a folder listed already under another path).
+    Real folders are listed before linked ones, so a clip is named by its real path where it has one."""
+    entries: list[tuple[Path, Optional[tuple[str, str]]]] = []
+    listed: dict[tuple[int, int], Path] = {}  # (device, inode) of each folder listed -> its path
+    links: list[Path] = []
+
+    def walk(top: Path) -> None:
+        for here, dirnames, filenames in os.walk(top):  # does not descend into links: they are queued
+            st = os.stat(here)
+            listed.setdefault((st.st_dev, st.st_ino), Path(here))
+            dirnames[:] = sorted(n for n in dirnames if not n.startswith("."))
+            links.extend(Path(here, n) for n in dirnames if os.path.islink(os.path.join(here, n)))
+            for n in filenames:
+                f = Path(here, n)
+                if not n.startswith(".") and (f.is_file() or f.is_symlink()):
+                    entries.append((f, None if f.is_file() else _unfollowable_link(f)))
+
+    walk(root)
+    while links:
+        link = links.pop(0)
+        st = os.stat(link)
+        seen = listed.get((st.st_dev, st.st_ino))
+        if seen is None:
+            walk(link)
+            continue
+        where = seen.relative_to(root).as_posix() if seen.is_relative_to(root) else str(seen)
+        # A loop: the link leads back to a folder on its own path (as listed, links included).
+        on_its_path = [p for p in link.parents if p == root or p.is_relative_to(root)]
+        if any(os.path.samefile(p, link) for p in on_its_path):
+            entries.append((link, ("link_loop", f"a link to the folder '{where}' that holds it: not followed (a loop)")))
+        else:
+            entries.append((link, ("link_to_listed_folder", f"a link to the folder '{where}', listed already: not followed")))
+    return sorted(entries, key=lambda e: e[0])
 
 
 def read_caption_file(path: Path, encoding: str = "utf-8") -> tuple[Optional[str], Optional[tuple[str, str]]]:
@@ -143,14 +191,16 @@ def read_caption_file(path: Path, encoding: str = "utf-8") -> tuple[Optional[str
 
 
 def list_folder(root: Path, caption_encoding: str = "utf-8") -> list[ClipSource]:
-    files = _visible_files(root)
     clips: list[ClipSource] = []
     unsupported = []
-    for f in files:
+    for f, link_problem in folder_entries(root):
         ext = f.suffix.lower()
-        if ext in SIDE_FILE_EXTENSIONS:
+        if ext in SIDE_FILE_EXTENSIONS and not f.is_dir():
             continue
         rel = f.relative_to(root).as_posix()
+        if link_problem is not None:
+            clips.append(ClipSource(len(clips), rel, path=f, problem=link_problem))
+            continue
         if ext not in MEDIA_EXTENSIONS:
             unsupported.append(ext or "(none)")
             clips.append(ClipSource(len(clips), rel, path=f, problem=_extension_problem(rel)))
@@ -160,6 +210,8 @@ def list_folder(root: Path, caption_encoding: str = "utf-8") -> list[ClipSource]
         problem = problem or _caption_problem(caption)
         if problem and problem[0] == "missing_caption":
             problem = ("missing_caption", f"no caption file {caption_file.name} beside the clip")
+            if caption_file.is_symlink():
+                problem = ("missing_caption", f"{caption_file.name}: {_unfollowable_link(caption_file)[1]}")
         clips.append(ClipSource(len(clips), rel, path=f, caption=caption, problem=problem))
     if not any(c.problem is None or c.problem[0] != "unsupported_extension" for c in clips):
         found = f"; found only files with unsupported extensions ({', '.join(sorted(set(unsupported)))})" if unsupported else ""
@@ -234,7 +286,7 @@ def list_metadata(
         name = ref
         problem = _extension_problem(ref) or _caption_problem(row.get(ccol))
         if problem is None and not file.is_file():
-            problem = ("missing_file", f"no such file: {file}")
+            problem = _unfollowable_link(file) if file.is_symlink() else ("missing_file", f"no such file: {file}")
         clips.append(ClipSource(i, name, path=file, caption=row.get(ccol), problem=problem))
     return clips
 
@@ -441,6 +493,20 @@ def _shard_keys(path: Path) -> Optional[list]:
     return list(zip(*(t.column(c).to_pylist() for c in ("fv_key", "id", "file_name"))))
 
 
+def check_output_writable(output: Path) -> None:
+    """Raise InputError, one line naming the folder, when `output` cannot be created or written."""
+    import tempfile
+
+    if output.exists() and not output.is_dir():
+        raise InputError(f"--output {output}: a file is there, not a folder")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output, prefix=".fv_write_check_"):
+            pass
+    except OSError as err:
+        raise InputError(f"--output {output}: cannot write there ({err.strerror or err.__class__.__name__})") from None
+
+
 def preprocess(
     model: str,
     input: str,
@@ -470,9 +536,10 @@ def preprocess(
     is called after each clip ("encoded", "reused" or "skipped"). `caption_encoding`: of caption
     files and metadata files. `command`: the command line, kept with the pending rows until the
     end so that training on the unfinished folder can say how to finish it.
-    """
-    from fv_accel.models.encoders import TEXT_MAX_LENGTH
 
+    The stages: list the clips, probe the model, check the buckets against its VAE, encode (or
+    reuse) each clip, write the shards, report (skipped.jsonl, fv_dataset.json).
+    """
     t0 = time.perf_counter()
     if shard_size < 1:
         raise ValueError(f"shard_size: expected an integer >= 1, got {shard_size}")
@@ -485,8 +552,32 @@ def preprocess(
         input, video_column=video_column, caption_column=caption_column, split=split, caption_encoding=caption_encoding
     )
     num_shards = max(1, math.ceil(len(clips) / shard_size))
-    # The model's family and what the model is conditioned on, from its configs (an encoder passed
-    # in without a spec is text-only).
+    family, spec = _probe_model(model, revision, encoder)
+    _check_buckets(spec, sampling, model)
+    check_output_writable(output)  # after the checks of the input: a refused run creates no folder
+    job = _EncodeJob(model, revision, sampling, output, device, dtype, vae_tiling, family, spec, encoder)
+    job.start(rank, command)
+    if rank == 0:
+        logger.info("preprocessing %d clip(s) from %s (%s) on %d process(es)", len(clips), input, form, world_size)
+    my_shards = [s for s in range(num_shards) if s % world_size == rank]
+    from tqdm.auto import tqdm
+
+    # Rank 0's clips (its shards): clips/s and the ETA on stderr; the other ranks show none.
+    progress = tqdm(
+        total=sum(len(clips[s * shard_size : (s + 1) * shard_size]) for s in my_shards),
+        desc="preprocess" if world_size == 1 else f"preprocess (process 0 of {world_size})",
+        unit="clip", disable=rank != 0, file=sys.stderr, dynamic_ncols=True,
+    )
+    for s in my_shards:
+        rows, new_keys = job.encode_shard(clips[s * shard_size : (s + 1) * shard_size], progress, on_clip_done)
+        job.write_shard(s, num_shards, rows, new_keys)
+    progress.close()
+    return job.report(rank, world_size, barrier, num_shards, form, t0)
+
+
+def _probe_model(model: str, revision: Optional[str], encoder: Any) -> tuple[Any, Any]:
+    """The model's family and what the model is conditioned on, from its configs (an encoder
+    passed in without a spec is text-only): (family or None, encoding spec or None)."""
     family = None
     if encoder is None:
         from fv_accel.models import family_of_repo
@@ -495,14 +586,11 @@ def preprocess(
         spec = family.encoding_spec(model, revision)
     else:
         spec = getattr(encoder, "spec", None)
-    conditioning = spec.conditioning if spec is not None else ("text",)
-    # The family pipeline's text rules: the caption cleaning its encoder applies, and the prompt of
-    # its unconditional branch (what caption dropout trains on).
-    if family is not None:
-        pipeline_prompt, unconditional_prompt = family.pipeline_prompt, family.unconditional_prompt
-    else:
-        pipeline_prompt = getattr(encoder, "pipeline_prompt", lambda caption: caption)
-        unconditional_prompt = getattr(encoder, "unconditional_prompt", "")
+    return family, spec
+
+
+def _check_buckets(spec: Any, sampling: FrameSampling, model: str) -> None:
+    """The size buckets and frame counts the model's VAE can encode (an InputError naming the flag)."""
     problem = spec.bucket_problem(sampling.buckets, f"'{model}'") if spec is not None else None
     if problem:
         raise InputError(f"--buckets {problem}")
@@ -513,45 +601,75 @@ def preprocess(
             f"--num_frames {','.join(str(n) for n in bad)}: the VAE of '{model}' compresses time by {factor}, so "
             f"frame counts must be {factor}k+1 (e.g. {factor + 1}, {2 * factor + 1}, {4 * factor + 1})"
         )
-    fingerprint = settings_fingerprint(model, revision, sampling, dtype, TEXT_MAX_LENGTH, conditioning)
-    pending = output / PENDING_DIR
-    pending.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        # Written again at the end: until then the folder is a dataset in the making.
-        (output / DATASET_INFO).unlink(missing_ok=True)
-        if command:
-            (pending / PENDING_COMMAND).write_text(command + "\n", encoding="utf-8")
-    store = _RowStore(output)
-    stats = _Stats()
-    if rank == 0:
-        logger.info("preprocessing %d clip(s) from %s (%s) on %d process(es)", len(clips), input, form, world_size)
 
-    def get_encoder():
-        nonlocal encoder
-        if encoder is None:
-            encoder = family.make_encoder(model, device=device, dtype=dtype, revision=revision, vae_tiling=vae_tiling, spec=spec)
-        return encoder
 
-    def encode(clip: ClipSource, payload: Union[Path, bytes], content: str, key: str) -> dict:
-        got = read_clip(payload, clip.name, sampling, content)
-        enc = get_encoder()
+class _EncodeJob:
+    """One process's encoding: the settings, the encoder (loaded at the first clip that needs it),
+    the rows already encoded (reused by key) and the counts; its stages encode a shard's clips,
+    write the shard and report."""
+
+    def __init__(
+        self, model: str, revision: Optional[str], sampling: FrameSampling, output: Path, device: torch.device,
+        dtype: torch.dtype, vae_tiling: bool, family: Any, spec: Any, encoder: Any,
+    ):
+        from fv_accel.models.encoders import TEXT_MAX_LENGTH
+
+        self.model, self.revision, self.sampling, self.output = model, revision, sampling, output
+        self.device, self.dtype, self.vae_tiling = device, dtype, vae_tiling
+        self.family, self.spec, self.encoder = family, spec, encoder
+        self.conditioning = spec.conditioning if spec is not None else ("text",)
+        # The family pipeline's text rules: the caption cleaning its encoder applies, and the prompt
+        # of its unconditional branch (what caption dropout trains on).
+        if family is not None:
+            self.pipeline_prompt, self.unconditional_prompt = family.pipeline_prompt, family.unconditional_prompt
+        else:
+            self.pipeline_prompt = getattr(encoder, "pipeline_prompt", lambda caption: caption)
+            self.unconditional_prompt = getattr(encoder, "unconditional_prompt", "")
+        self.fingerprint = settings_fingerprint(model, revision, sampling, dtype, TEXT_MAX_LENGTH, self.conditioning)
+        self.pending = output / PENDING_DIR
+        self.rank = 0
+        self.stats = _Stats()
+        self.store: Optional[_RowStore] = None
+
+    def start(self, rank: int, command: Optional[str]) -> None:
+        """The pending folder, the command kept in it, and the rows found from an earlier run."""
+        self.rank = rank
+        self.pending.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            # Written again at the end: until then the folder is a dataset in the making.
+            (self.output / DATASET_INFO).unlink(missing_ok=True)
+            if command:
+                (self.pending / PENDING_COMMAND).write_text(command + "\n", encoding="utf-8")
+        self.store = _RowStore(self.output)
+
+    def get_encoder(self) -> Any:
+        if self.encoder is None:
+            self.encoder = self.family.make_encoder(
+                self.model, device=self.device, dtype=self.dtype, revision=self.revision, vae_tiling=self.vae_tiling, spec=self.spec
+            )
+        return self.encoder
+
+    def encode(self, clip: ClipSource, payload: Union[Path, bytes], content: str, key: str) -> dict:
+        got = read_clip(payload, clip.name, self.sampling, content)
+        enc = self.get_encoder()
         t = time.perf_counter()
         latent = enc.encode_video(got.frames)
         columns = dict(enc.encode_caption(clip.caption.strip()))
         text = columns.pop("text_embedding")
-        if conditioning != ("text",):
+        if self.conditioning != ("text",):
             columns.update(enc.encode_frames_conditioning(got.frames))
+        note_caption_length(self.pending / f"{CAPTION_TOKENS_PENDING}{self.rank}.jsonl", key, enc, clip.caption.strip())
         extra = {}
         for name, value in columns.items():
             extra.update(tensor_columns(name, value))
-        stats.encode_seconds += time.perf_counter() - t
+        self.stats.encode_seconds += time.perf_counter() - t
         n, h, w = got.frames.shape[:3]
         image = is_image(clip.name)
         return make_row(
             sample_id=clip.name,
             latent=latent,
             text_embedding=text,
-            caption=pipeline_prompt(clip.caption.strip()),
+            caption=self.pipeline_prompt(clip.caption.strip()),
             file_name=clip.name,
             media_type="image" if image else "video",
             width=w,
@@ -563,84 +681,93 @@ def preprocess(
             **extra,
         )
 
-    my_shards = [s for s in range(num_shards) if s % world_size == rank]
-    from tqdm.auto import tqdm
-
-    # Rank 0's clips (its shards): clips/s and the ETA on stderr; the other ranks show none.
-    progress = tqdm(
-        total=sum(len(clips[s * shard_size : (s + 1) * shard_size]) for s in my_shards),
-        desc="preprocess" if world_size == 1 else f"preprocess (process 0 of {world_size})",
-        unit="clip", disable=rank != 0, file=sys.stderr, dynamic_ncols=True,
-    )
-    for s in my_shards:
+    def encode_shard(
+        self, clips: list[ClipSource], progress: Any, on_clip_done: Optional[Callable[[ClipSource, str], None]]
+    ) -> tuple[list[dict], list[str]]:
+        """The shard's rows (encoded now or reused) and the keys of those encoded now."""
         rows: list[dict] = []
         new_keys: list[str] = []
-        for clip in clips[s * shard_size : (s + 1) * shard_size]:
-            status = "skipped"
-            if clip.problem is not None:
-                stats.skipped.append((clip.index, clip.name, *clip.problem))
-            else:
-                try:
-                    payload = clip.payload()
-                    content = content_hash(payload)
-                except OSError as err:
-                    stats.skipped.append((clip.index, clip.name, "unreadable", f"cannot read the file ({err})"))
-                    content = None
-                if content is not None:
-                    # Keyed by the text the model encodes: a row encoded from other text is not reused.
-                    key = clip_key(content, pipeline_prompt(clip.caption.strip()), fingerprint)
-                    row = store.get(key) if key in store else None
-                    if row is not None:
-                        stats.reused += 1
-                        status = "reused"
-                    else:
-                        try:
-                            row = encode(clip, payload, content, key)
-                        except ClipError as err:
-                            stats.skipped.append((clip.index, clip.name, err.reason, err.detail))
-                        else:
-                            # Written at once, so an interruption loses at most the clip in flight.
-                            write_rows([row], pending / f"{key}.parquet")
-                            store.where[key] = (pending / f"{key}.parquet", 0)  # the same bytes again
-                            new_keys.append(key)
-                            stats.newly_encoded += 1
-                            status = "encoded"
-                    if row is not None:
-                        # The same bytes may sit under another name: the row takes this clip's name.
-                        rows.append({**row, "id": clip.name, "file_name": clip.name})
+        for clip in clips:
+            status, row = self._clip_row(clip, new_keys)
+            if row is not None:
+                # The same bytes may sit under another name: the row takes this clip's name.
+                rows.append({**row, "id": clip.name, "file_name": clip.name})
             progress.update(1)
             if on_clip_done is not None:
                 on_clip_done(clip, status)
-        shard = output / f"data-{s:05d}-of-{num_shards:05d}.parquet"
+        return rows, new_keys
+
+    def _clip_row(self, clip: ClipSource, new_keys: list[str]) -> tuple[str, Optional[dict]]:
+        """("encoded" | "reused" | "skipped", the clip's row or None)."""
+        stats, store = self.stats, self.store
+        if clip.problem is not None:
+            stats.skipped.append((clip.index, clip.name, *clip.problem))
+            return "skipped", None
+        try:
+            payload = clip.payload()
+            content = content_hash(payload)
+        except OSError as err:
+            stats.skipped.append((clip.index, clip.name, "unreadable", f"cannot read the file ({err})"))
+            return "skipped", None
+        # Keyed by the text the model encodes: a row encoded from other text is not reused.
+        key = clip_key(content, self.pipeline_prompt(clip.caption.strip()), self.fingerprint)
+        row = store.get(key) if key in store else None
+        if row is not None:
+            stats.reused += 1
+            return "reused", row
+        try:
+            row = self.encode(clip, payload, content, key)
+        except ClipError as err:
+            stats.skipped.append((clip.index, clip.name, err.reason, err.detail))
+            return "skipped", None
+        # Written at once, so an interruption loses at most the clip in flight.
+        write_rows([row], self.pending / f"{key}.parquet")
+        store.where[key] = (self.pending / f"{key}.parquet", 0)  # the same bytes again
+        new_keys.append(key)
+        stats.newly_encoded += 1
+        return "encoded", row
+
+    def write_shard(self, s: int, num_shards: int, rows: list[dict], new_keys: list[str]) -> None:
+        """Shard `s` from its rows (rewritten only when they changed), then its pending rows removed."""
+        shard = self.output / f"data-{s:05d}-of-{num_shards:05d}.parquet"
         wanted = [(r["fv_key"], r["id"], r["file_name"]) for r in rows]
         if rows and (not shard.is_file() or _shard_keys(shard) != wanted):
             write_rows(rows, shard)
         elif not rows and shard.is_file():
             shard.unlink()
         for key in new_keys:
-            (pending / f"{key}.parquet").unlink(missing_ok=True)
+            (self.pending / f"{key}.parquet").unlink(missing_ok=True)
 
-    progress.close()
-    (pending / f"stats-r{rank}.json").write_text(
-        json.dumps({"newly_encoded": stats.newly_encoded, "reused": stats.reused, "encode_seconds": stats.encode_seconds, "skipped": stats.skipped})
-    )
-    if world_size > 1:
-        barrier()
-    result = PreprocessResult(0, 0, 0, 0, 0.0, output, form, world_size)
-    if rank == 0:
-        ensure_unconditional_text(output, unconditional_prompt, fingerprint, get_encoder)
-        if encoder is not None and hasattr(encoder, "latent_statistics"):
-            stats_found = encoder.latent_statistics()
-        elif encoder is not None:  # an encoder without the method: its VAE's config says
-            config = encoder.vae.config
-            stats_found = (config.get("latents_mean"), config.get("latents_std")) if config.get("latents_mean") else None
-        else:  # nothing was encoded by this process: read the statistics, load nothing
-            stats_found = family.latent_statistics(model, revision)
-        result = _finish(output, model, revision, sampling, num_shards, world_size, form, stats_found, conditioning, spec)
-        result.seconds = time.perf_counter() - t0
-    if world_size > 1:
-        barrier()
-    return result
+    def report(
+        self, rank: int, world_size: int, barrier: Optional[Callable[[], None]], num_shards: int, form: str, t0: float
+    ) -> PreprocessResult:
+        """This process's counts; then (main process, after the others) skipped.jsonl, the
+        latent statistics and fv_dataset.json."""
+        stats, encoder = self.stats, self.encoder
+        (self.pending / f"stats-r{rank}.json").write_text(
+            json.dumps({"newly_encoded": stats.newly_encoded, "reused": stats.reused, "encode_seconds": stats.encode_seconds, "skipped": stats.skipped})
+        )
+        if world_size > 1:
+            barrier()
+        result = PreprocessResult(0, 0, 0, 0, 0.0, self.output, form, world_size)
+        if rank == 0:
+            ensure_unconditional_text(self.output, self.unconditional_prompt, self.fingerprint, self.get_encoder)
+            encoder = self.encoder
+            if encoder is not None and hasattr(encoder, "latent_statistics"):
+                stats_found = encoder.latent_statistics()
+            elif encoder is not None:  # an encoder without the method: its VAE's config says
+                config = encoder.vae.config
+                stats_found = (config.get("latents_mean"), config.get("latents_std")) if config.get("latents_mean") else None
+            else:  # nothing was encoded by this process: read the statistics, load nothing
+                stats_found = self.family.latent_statistics(self.model, self.revision)
+            result = _finish(
+                self.output, self.model, self.revision, self.sampling, num_shards, world_size, form, stats_found,
+                self.conditioning, self.spec,
+            )
+            result.seconds = time.perf_counter() - t0
+        if world_size > 1:
+            barrier()
+        return result
 
 
 def ensure_unconditional_text(output: Path, prompt: str, fingerprint: str, get_encoder: Callable[[], Any]) -> None:
@@ -691,6 +818,7 @@ def _finish(
             encoded += pq.read_metadata(f).num_rows
         elif m:
             f.unlink()
+    captions_cut = captions_cut_report(output, pending, num_shards)
     for f in pending.iterdir():
         f.unlink()
     pending.rmdir()
@@ -701,8 +829,71 @@ def _finish(
         preprocessing=sampling.to_dict(),
         num_rows=encoded,
         **conditioning_info(spec, conditioning),
+        **captions_cut,
     )
     return PreprocessResult(encoded, len(skipped), newly, reused, 0.0, output, form, world_size)
+
+
+# Each caption's token count before the text encoder's cut, by row key: appended per encoded clip
+# (per process, in the pending folder, so that an interrupted run keeps them), and kept with the
+# dataset for later reruns, which reuse rows without encoding them.
+CAPTION_TOKENS_PENDING = "caption-tokens-r"
+CAPTION_TOKENS_FILE = "caption_tokens.jsonl"
+
+
+def note_caption_length(path: Path, key: str, encoder: Any, caption: str) -> None:
+    """Append the caption's token count and the text encoder's limit (where the family counts them)."""
+    count = getattr(encoder, "caption_tokens", None)
+    tokens = count(caption) if count is not None else None
+    if tokens is not None:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"key": key, "tokens": int(tokens), "limit": int(encoder.text_max_length)}) + "\n")
+
+
+def _read_caption_lengths(paths: Sequence[Path]) -> dict[str, dict]:
+    found: dict[str, dict] = {}
+    for path in paths:
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(line)
+                    found[entry["key"]] = {"tokens": int(entry["tokens"]), "limit": int(entry["limit"])}
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by a kill
+    return found
+
+
+def captions_cut_report(output: Path, pending: Path, num_shards: int) -> dict:
+    """Captions the text encoder cut among the dataset's rows: logged, written to CAPTION_TOKENS_FILE
+    (the counts of every row's caption), and returned as fv_dataset.json's `captions_cut` (how many,
+    the longest in tokens, the limit, the first names); {} where no caption was counted."""
+    import pyarrow.parquet as pq
+
+    lengths = _read_caption_lengths([output / CAPTION_TOKENS_FILE, *sorted(pending.glob(f"{CAPTION_TOKENS_PENDING}*.jsonl"))])
+    rows = []
+    for f in sorted(output.glob(f"data-*-of-{num_shards:05d}.parquet")):
+        rows += pq.read_table(f, columns=["id", "fv_key"]).to_pylist()
+    counted = [(r["id"], r["fv_key"], lengths[r["fv_key"]]) for r in rows if r["fv_key"] in lengths]
+    tmp = output / f".{CAPTION_TOKENS_FILE}.tmp"
+    tmp.write_text("".join(json.dumps({"key": k, **entry}) + "\n" for _, k, entry in counted), encoding="utf-8")
+    tmp.replace(output / CAPTION_TOKENS_FILE)
+    if not counted:
+        return {}
+    cut = [(name, entry) for name, _, entry in counted if entry["tokens"] > entry["limit"]]
+    report = {
+        "captions": len(cut),
+        "counted": len(counted),
+        "longest_tokens": max((e["tokens"] for _, e in cut), default=None),
+        "limit": max((e["limit"] for _, e in cut), default=None),
+        "first": [name for name, _ in cut[:10]],
+    }
+    if cut:
+        logger.warning(
+            "%d of %d caption(s) are longer than the text encoder's %d tokens and were cut there (the longest: %d tokens; "
+            "first: %s): their ends are not in the text embeddings; see captions_cut in %s",
+            len(cut), len(counted), report["limit"], report["longest_tokens"], ", ".join(report["first"][:3]), output / DATASET_INFO,
+        )
+    return {"captions_cut": report}
 
 
 def conditioning_info(spec: Any, conditioning: Sequence[str]) -> dict:

@@ -1,26 +1,35 @@
-"""Sampling videos from the live student: diffusers' WanPipeline (SFT) and diffusion forcing (DFSFT).
+"""Sampling videos from the live student: the family's stock diffusers pipeline, a whole-clip
+scheduler loop, and diffusion forcing (DFSFT).
 
-Both samplers use the same sigma schedule: diffusers' `FlowMatchEulerDiscreteScheduler` built with
-the *sampling* shift (`callbacks.validation.sampling_flow_shift`, distinct from the training shift
-`models.student.flow_shift`) and `set_timesteps(num_inference_steps)`.
+What sample videos step with is a `SamplingSchedule` (`resolve_sampling_schedule`): by default the
+model repo's own scheduler class and config (`callbacks.validation.scheduler: repo`; Wan repos ship
+UniPCMultistepScheduler), or FlowMatchEulerDiscreteScheduler (`euler`), at the repo's shift unless
+`callbacks.validation.sampling_flow_shift` sets one (the *sampling* shift, distinct from the
+training shift `models.student.flow_shift`). Whole clips step with that scheduler, in the family's
+pipeline or in `sample_with_scheduler`.
 
 Diffusion forcing (Chen et al. 2024; SkyReels-V2): the latent frames are cut into chunks of
-`chunk_size` frames (as in DFSFT training) and each chunk runs its own Euler schedule. Chunk `k`
-starts `ar_step` denoising rounds after chunk `k-1`, so earlier chunks are always cleaner than
-later ones; `ar_step=None` waits until the previous chunk is clean (chunk-by-chunk autoregression)
-and `ar_step=0` moves all chunks together (ordinary sampling). Finished chunks stay in the
-sequence as clean context, optionally re-noised to `context_noise` (a sigma) so that the model
-sees slightly noisy context, as when it was trained.
+`chunk_size` frames (as in DFSFT training) and each chunk runs its own Euler schedule (the sigmas of
+FlowMatchEulerDiscreteScheduler at the schedule's shift; a multistep scheduler is not stepped per
+chunk here). Chunk `k` starts `ar_step` denoising rounds after chunk `k-1`, so earlier chunks are
+always cleaner than later ones; `ar_step=None` waits until the previous chunk is clean
+(chunk-by-chunk autoregression) and `ar_step=0` moves all chunks together (ordinary sampling).
+Finished chunks stay in the sequence as clean context, optionally re-noised to `context_noise` (a
+sigma) so that the model sees slightly noisy context, as when it was trained.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+
+from fv_accel.schedulers import scheduler_shift
 
 # predict(x [B, C, T, H, W], per-frame timesteps [B, T], text [B, L, D]) -> velocity like x
 Predictor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -37,6 +46,99 @@ def sampling_sigmas(num_inference_steps: int, shift: float) -> tuple[torch.Tenso
     sigmas = scheduler.sigmas.to(torch.float32).clone()
     timesteps = scheduler.timesteps.to(torch.float32).clone()
     return sigmas, timesteps, int(scheduler.config.num_train_timesteps)
+
+
+# Keys of a flow-matching scheduler config that Euler keeps when it replaces the repo's class.
+_EULER_KEYS = ("num_train_timesteps", "use_dynamic_shifting", "base_shift", "max_shift", "base_image_seq_len",
+               "max_image_seq_len", "time_shift_type")
+
+
+def _shift_key(cls: type) -> Optional[str]:
+    """The constructor argument holding a scheduler class's static shift: `flow_shift` (UniPC and
+    the other multistep solvers with flow sigmas), `shift` (flow-match Euler), or None."""
+    params = inspect.signature(cls.__init__).parameters
+    return next((key for key in ("flow_shift", "shift") if key in params), None)
+
+
+@dataclass(frozen=True)
+class SamplingSchedule:
+    """The scheduler sample videos step with: a diffusers class name and its full config (defaults
+    filled in, the recipe's shift applied), and where it comes from (for the log)."""
+
+    class_name: str
+    config: dict
+    origin: str
+
+    def build(self) -> Any:
+        """A fresh scheduler (multistep schedulers keep state between steps: one per sample)."""
+        import diffusers
+
+        return getattr(diffusers, self.class_name).from_config(self.config)
+
+    @property
+    def dynamic(self) -> bool:
+        return bool(self.config.get("use_dynamic_shifting"))
+
+    def euler_shift(self, tokens: int) -> float:
+        """The static shift of Euler steps on this schedule (the diffusion-forcing sampler's); with
+        resolution-dependent shifting, the one for `tokens` transformer tokens."""
+        return scheduler_shift(self.config, tokens)
+
+    def describe(self) -> str:
+        if self.dynamic:
+            keys = ("base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len")
+            shift = "resolution-dependent shift (" + ", ".join(f"{k} {self.config.get(k)}" for k in keys) + ")"
+        else:
+            import diffusers
+
+            shift = f"{_shift_key(getattr(diffusers, self.class_name)) or 'shift'} {scheduler_shift(self.config, 0):g}"
+        return f"{self.class_name} at {shift} ({self.origin})"
+
+
+def resolve_sampling_schedule(
+    repo_config: Optional[dict],
+    *,
+    scheduler: str = "repo",
+    shift: Optional[float] = None,
+    fallback_config: Optional[dict] = None,
+    origin: str = "the model repo",
+) -> SamplingSchedule:
+    """What sample videos step with (`callbacks.validation.scheduler` and `sampling_flow_shift`).
+
+    `repo_config` is the repo's scheduler_config.json (None: it has none; then `fallback_config`,
+    the family's default, else Euler at shift 3). `scheduler` "repo" keeps its class and config,
+    "euler" swaps the class for FlowMatchEulerDiscreteScheduler at the repo's shift. A number
+    `shift` replaces the shift (a static one: it turns resolution-dependent shifting off)."""
+    import diffusers
+    from diffusers.schedulers.scheduling_utils import SchedulerMixin
+
+    if repo_config is None:
+        repo_config = fallback_config or {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}
+        origin = f"the family's default: {origin} has no scheduler config"
+    else:
+        origin = f"the repo's scheduler config, {origin}"
+    name = repo_config.get("_class_name")
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, SchedulerMixin)):
+        raise ValueError(f"{origin}: scheduler class {name!r} is not a diffusers scheduler")
+    config = dict(cls.from_config({k: v for k, v in repo_config.items() if not k.startswith("_")}).config)
+    if scheduler == "euler" and cls is not FlowMatchEulerDiscreteScheduler:
+        euler = {k: config[k] for k in _EULER_KEYS if k in config}
+        config, cls = {**euler, "shift": scheduler_shift(config, 0)}, FlowMatchEulerDiscreteScheduler
+        origin = f"Euler in place of {name}, at the shift of {origin}"
+    if shift is not None:
+        key = _shift_key(cls)
+        if key is None:
+            raise ValueError(
+                f"callbacks.validation.sampling_flow_shift: {shift}: {cls.__name__} ({origin}) has no shift to set; "
+                "leave it null"
+            )
+        config = {**config, key: float(shift)}
+        if "use_dynamic_shifting" in inspect.signature(cls.__init__).parameters:
+            config["use_dynamic_shifting"] = False
+        origin = f"{origin}; the shift from callbacks.validation.sampling_flow_shift"
+    config = {k: v for k, v in dict(cls.from_config(config).config).items() if not k.startswith("_")}
+    return SamplingSchedule(cls.__name__, config, origin)
 
 
 def chunk_bounds(num_frames: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -140,6 +242,35 @@ def sample_diffusion_forcing(
 
 
 @torch.no_grad()
+def sample_with_scheduler(
+    predict: Predictor,
+    noise: torch.Tensor,
+    text: Any,
+    scheduler: Any,
+    *,
+    num_inference_steps: int,
+    guidance_scale: float = 1.0,
+    negative_text: Any = None,
+) -> torch.Tensor:
+    """Denoise the whole clip `noise` [B, C, T, H, W] with a diffusers scheduler of any class
+    (Euler, UniPC, ...) as the stock video pipelines' loops do: at each of the scheduler's
+    timesteps one model call (two with classifier-free guidance) with that timestep on every
+    frame, then `scheduler.step`. Returns the clean latents (fp32)."""
+    use_cfg = guidance_scale > 1.0 and negative_text is not None
+    scheduler.set_timesteps(num_inference_steps, device=noise.device)
+    x = noise.to(torch.float32).clone()
+    bsz, num_frames = x.shape[0], x.shape[2]
+    for t in scheduler.timesteps:
+        t_in = t.to(torch.float32).expand(bsz, num_frames)
+        v = predict(x, t_in, text).float()
+        if use_cfg:
+            v_uncond = predict(x, t_in, negative_text).float()
+            v = v_uncond + guidance_scale * (v - v_uncond)
+        x = scheduler.step(v, t, x, return_dict=False)[0].to(torch.float32)
+    return x
+
+
+@torch.no_grad()
 def sample_wan_pipeline(
     transformer: torch.nn.Module,
     vae: torch.nn.Module,
@@ -151,23 +282,18 @@ def sample_wan_pipeline(
     num_frames: int,
     num_inference_steps: int,
     guidance_scale: float,
-    shift: float,
+    scheduler: Any,
     generator: torch.Generator,
 ) -> torch.Tensor:
-    """diffusers' WanPipeline around a live transformer; returns the (normalised) latents.
+    """diffusers' WanPipeline around a live transformer with `scheduler`; returns the (normalised)
+    latents.
 
     Prompts come pre-encoded (the text encoder is not kept in memory during training); decoding
     is left to `decode_latents` so that both samplers denormalise with the student's statistics.
     """
     from diffusers import WanPipeline
 
-    pipe = WanPipeline(
-        tokenizer=None,
-        text_encoder=None,
-        vae=vae,
-        scheduler=sampling_scheduler(shift),
-        transformer=transformer,
-    )
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler, transformer=transformer)
     return pipeline_latents(
         pipe,
         prompt_embeds,

@@ -40,6 +40,33 @@ def randint(low: int, high: int, shape: Sequence[int], generator: GeneratorLike,
     return torch.cat([torch.randint(low, high, (1, *shape[1:]), generator=g, device=device) for g in generator])
 
 
+def calculate_shift(tokens: int, base_seq_len: int, max_seq_len: int, base_shift: float, max_shift: float) -> float:
+    """diffusers' `mu` of resolution-dependent shifting: linear in the token count."""
+    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return tokens * slope + (base_shift - slope * base_seq_len)
+
+
+def scheduler_shift(config: dict, tokens: int) -> float:
+    """The static shift a flow-matching scheduler config applies to latents of `tokens` tokens.
+
+    With `use_dynamic_shifting`, diffusers maps sigma to exp(mu) / (exp(mu) + 1/sigma - 1) (the
+    exponential time shift), which is the static map shift * s / (1 + (shift - 1) * s) with
+    shift = exp(mu)."""
+    if config.get("use_dynamic_shifting"):
+        if config.get("time_shift_type", "exponential") != "exponential":
+            raise ValueError(f"scheduler time_shift_type {config.get('time_shift_type')!r} is not supported (exponential only)")
+        mu = calculate_shift(
+            tokens,
+            int(config.get("base_image_seq_len", 256)),
+            int(config.get("max_image_seq_len", 4096)),
+            float(config.get("base_shift", 0.5)),
+            float(config.get("max_shift", 1.15)),
+        )
+        return math.exp(mu)
+    shift = config.get("shift", config.get("flow_shift"))
+    return 1.0 if shift is None else float(shift)
+
+
 class FlowMatchTable:
     """The training table: sigma_i and t_i for i = 0..N-1, descending noise."""
 

@@ -4,7 +4,7 @@
     python -m fv_accel.tiny_model --list
 
 The Wan variants are `fv_accel.tiny.model`'s; other families' come from their own tiny modules
-(`fv_accel.tiny.registry`).
+(`fv_accel.tiny.registry`); this command reaches them through the tiny world's door, `fv_accel.tiny`.
 """
 
 from __future__ import annotations
@@ -13,31 +13,22 @@ import argparse
 from pathlib import Path
 from typing import Optional
 
-from fv_accel.tiny.model import (  # noqa: F401 (the public entry points)
-    DEFAULT_TINY_MODEL,
-    MODEL_CLASS_ALIASES,
-    TINY_MODELS,
-    write_tiny_model,
-    write_tiny_variant,
-)
+from fv_accel.tiny import tiny_model_defaults, tiny_models
 
 
 def list_lines() -> list[str]:
-    from fv_accel.tiny.registry import all_tiny_models
-
-    models = all_tiny_models()
+    models = tiny_models()
     width = max(len(n) for n in models)
     return [f"{name:<{width}}  {m.layout.split('/')[-1].removesuffix('-Diffusers')} layout: {m.summary}" for name, m in models.items()]
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from fv_accel.tiny.registry import all_tiny_models
-
-    models = all_tiny_models()
+    models = tiny_models()
+    default_model, class_aliases = tiny_model_defaults()
     parser = argparse.ArgumentParser(prog="python -m fv_accel.tiny_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", help="folder to write the model to")
-    parser.add_argument("--model", choices=list(models), default=None, help=f"which model (default {DEFAULT_TINY_MODEL}; --list)")
-    parser.add_argument("--class", dest="model_class", choices=list(MODEL_CLASS_ALIASES), default=None,
+    parser.add_argument("--model", choices=list(models), default=None, help=f"which model (default {default_model}; --list)")
+    parser.add_argument("--class", dest="model_class", choices=list(class_aliases), default=None,
                         help="older spelling: wan = --model wan21_t2v, skyreels_v2 = --model skyreels_v2")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--list", action="store_true", help="print the models, one a line, and exit")
@@ -47,8 +38,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     if args.out_dir is None:
         parser.error("the folder to write (DIR) is required unless --list is given")
-    name = args.model or MODEL_CLASS_ALIASES.get(args.model_class or "", DEFAULT_TINY_MODEL)
-    if args.model and args.model_class and MODEL_CLASS_ALIASES[args.model_class] != args.model:
+    name = args.model or class_aliases.get(args.model_class or "", default_model)
+    if args.model and args.model_class and class_aliases[args.model_class] != args.model:
         parser.error(f"--class {args.model_class} and --model {args.model} name different models; give one")
     path = models[name].write(Path(args.out_dir), args.seed)
     print(f"wrote the tiny {name} model ({models[name].layout} layout) to {path}")

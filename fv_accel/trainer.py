@@ -6,6 +6,7 @@ The trainer knows the loop and Accelerate, never a model's internals or a loss.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import json
 import logging
@@ -125,6 +126,72 @@ class TrainerCallback:
         return {}
 
 
+@dataclasses.dataclass
+class LoopSettings:
+    """The recipe's loop settings, read once when the loop starts."""
+
+    model: Any  # the student's transformer
+    params: list  # its trainable parameters (clipped, checked for a non-finite norm)
+    accumulation: int  # training.loop.gradient_accumulation_steps
+    max_steps: int
+    max_norm: float
+    ckpt_every: int
+    log_every: int
+    nan_policy: str  # resolved for the engine (resolve_nan_policy)
+    max_skips: int
+    data_parallel: int  # the processes of one context-parallel group train on the same samples
+
+    @classmethod
+    def from_run(cls, cfg: Any, accelerator: Any, student: Any, steps_in_backward: bool) -> "LoopSettings":
+        return cls(
+            model=student.transformer,
+            params=student.trainable_parameters(),
+            accumulation=cfg.training.loop.gradient_accumulation_steps,
+            max_steps=cfg.training.loop.max_train_steps,
+            max_norm=cfg.callbacks.grad_clip.max_grad_norm,
+            ckpt_every=cfg.training.checkpoint.training_state_checkpointing_steps,
+            log_every=cfg.training.tracker.log_every,
+            nan_policy=resolve_nan_policy(cfg, steps_in_backward),
+            max_skips=cfg.training.loop.max_consecutive_skips,
+            data_parallel=accelerator.num_processes // cfg.training.model.context_parallel.degree,
+        )
+
+
+@dataclasses.dataclass
+class StepOutcome:
+    """What one optimizer step left: the means of its micro-batches' losses and metrics (device
+    tensors, read only on the steps that log), its sizes and timings, and its fault if any."""
+
+    loss_sums: dict = dataclasses.field(default_factory=dict)
+    metric_sums: dict = dataclasses.field(default_factory=dict)
+    samples: int = 0
+    tokens: int = 0
+    data_wait: float = 0.0
+    step_time: float = 0.0
+    grad_norm: Any = None
+    fault: Optional[str] = None
+    applied: bool = False  # DeepSpeed: the engine applied this step although its gradient norm is non-finite
+    engine_skipped: bool = False  # DeepSpeed: its fp16 loss scaler dropped this step's update (overflow)
+    micro_records: list = dataclasses.field(default_factory=list)  # (loss, timesteps) per micro-batch, read only to report a fault
+    micro_samples: list = dataclasses.field(default_factory=list)  # the samples' names and NaN/inf flags, read only to report a fault
+    last_batch: Any = None
+    logs: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class RunTally:
+    """This run's steps, samples and latent tokens (all data-parallel ranks), for the summary."""
+
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+
+    def add(self, out: StepOutcome, data_parallel: int) -> None:
+        self.steps += 1
+        self.samples += out.samples * data_parallel
+        self.tokens += out.tokens * data_parallel
+
+
 class Trainer:
     def __init__(self, run: Any, callbacks: Optional[list[TrainerCallback]] = None):
         self.run_spec = run
@@ -173,6 +240,11 @@ class Trainer:
         if self.last_checkpoint is None or self.last_checkpoint.name != f"checkpoint-{self.step}":
             self.last_checkpoint = save_checkpoint(self, self.step)
         return self.last_checkpoint
+
+    def _checkpoint_due(self, every: int, max_steps: int) -> bool:
+        """Checkpointing on (`every` > 0): every `every` steps, and at the last step, so that a finished
+        run can be extended (`--max_train_steps M --resume_from_checkpoint latest`)."""
+        return every > 0 and (self.step % every == 0 or self.step == max_steps)
 
     # ---- preemption: SIGTERM/SIGINT stop at the next step boundary with a checkpoint ----
     def _install_signal_handlers(self) -> dict:
@@ -270,22 +342,30 @@ class Trainer:
         norm = torch.as_tensor(grad_norm if norm_checked else 0.0, dtype=torch.float32, device=loss_bad.device)
         norm_bad = ~torch.isfinite(norm)
         stop = torch.tensor(1.0 if self._stop_signal is not None else 0.0, device=norm.device)
-        packed = torch.stack([loss_bad.float(), norm_bad.float(), stop, torch.where(norm_bad, 0.0, norm)]).to(acc.device)
+        # The lowest and highest process whose loss is non-finite, through the same maximum.
+        rank, world = acc.process_index if acc.num_processes > 1 else 0, acc.num_processes
+        lowest, highest = (loss_bad.float() * (world - rank)).to(norm.device), (loss_bad.float() * (rank + 1)).to(norm.device)
+        packed = torch.stack([loss_bad.float(), norm_bad.float(), stop, torch.where(norm_bad, 0.0, norm), lowest, highest]).to(acc.device)
         if acc.num_processes > 1:
             import torch.distributed as dist
 
             dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-        loss_flag, norm_flag, stop_flag, self._norm_value = packed.tolist()
+        loss_flag, norm_flag, stop_flag, self._norm_value, lowest_code, highest_code = packed.tolist()
         self._stop_agreed = self._stop_agreed or stop_flag > 0
         if not (loss_flag > 0 or norm_flag > 0):
             return None
         losses = [float(l) for l, _ in micro]
         timesteps = [None if t is None else [round(v, 2) for v in t.detach().float().flatten().tolist()] for _, t in micro]
         what = "loss" if loss_flag > 0 else "gradient norm"
-        return (
-            f"non-finite {what} at step {step}: loss={float(loss):.6g} (micro-batches {losses}), "
-            f"grad_norm={float(norm) if norm_checked else None}, timesteps={timesteps}"
-        )
+        head, values = f"non-finite {what} at step {step}", f"loss={float(loss):.6g} (micro-batches {losses})"
+        if loss_flag > 0 and world > 1:
+            first, last = world - int(lowest_code), int(highest_code) - 1
+            if bool(loss_bad):
+                head += f" on this process ({rank})"
+            else:
+                others = f" (and others, up to process {last})" if last != first else ""
+                head += f" on process {first}{others}; this process ({rank}) has a finite loss"
+        return f"{head}: {values}, grad_norm={float(norm) if norm_checked else None}, timesteps={timesteps}"
 
     # ---- checkpoint hooks for callbacks ----
     def extra_state_tensors(self) -> dict[str, torch.Tensor]:
@@ -452,231 +532,255 @@ class Trainer:
             if self.output_lock is not None:
                 self.output_lock.release()
 
+    # ---- the loop ----
     def _train(self) -> dict:
+        """Steps until `max_train_steps`, a fault policy stops the run (TrainingStopped) or a signal
+        asks for a stop at a step boundary; then the final outputs (or the stop's checkpoint) and the
+        run summary."""
         from tqdm.auto import tqdm
 
-        acc = self.accelerator
-        cfg = self.config
-        method = self.method
-        student = method.student
-        model = student.transformer
-        k = cfg.training.loop.gradient_accumulation_steps
-        max_steps = cfg.training.loop.max_train_steps
-        max_norm = cfg.callbacks.grad_clip.max_grad_norm
-        ckpt_every = cfg.training.checkpoint.training_state_checkpointing_steps
-        log_every = cfg.training.tracker.log_every
-        params = student.trainable_parameters()
-        steps_in_backward = self.steps_in_backward
-        nan_policy = resolve_nan_policy(cfg, steps_in_backward)
-        max_skips = cfg.training.loop.max_consecutive_skips
-        # The processes of one context-parallel group train on the same samples.
-        data_parallel = acc.num_processes // cfg.training.model.context_parallel.degree
-
+        from fv_accel.data.loader import device_prefetch
         from fv_accel.telemetry import Telemetry
 
-        telemetry = Telemetry(acc, model, cfg.training.tracker.peak_tflops)
-        tokens_run = 0
+        acc = self.accelerator
+        loop = LoopSettings.from_run(self.config, acc, self.method.student, self.steps_in_backward)
+        telemetry = Telemetry(acc, loop.model, self.config.training.tracker.peak_tflops)
+        tally = RunTally()
         for cb in self.callbacks:
             cb.on_train_start(self)
         progress = self._progress = tqdm(
-            total=max_steps, initial=self.step, desc="train", disable=not acc.is_local_main_process, dynamic_ncols=True
+            total=loop.max_steps, initial=self.step, desc="train", disable=not acc.is_local_main_process, dynamic_ncols=True
         )
-        from fv_accel.data.loader import device_prefetch
-
         data_iter = device_prefetch(self.dataloader, acc.device)
         t_start = time.perf_counter()
-        steps_run = 0
-        samples_run = 0
         stopped_by: Optional[str] = None
-        model.train()
-        while self.step < max_steps:
+        loop.model.train()
+        while self.step < loop.max_steps:
             t0 = time.perf_counter()
-            data_wait = 0.0
-            loss_sums: dict[str, torch.Tensor] = {}
-            metric_sums: dict[str, torch.Tensor] = {}
-            samples = 0
-            tokens = 0
-            grad_norm = None
-            fault = None
-            applied = False  # DeepSpeed: the engine applied this step although its gradient norm is non-finite
-            engine_skipped = False  # DeepSpeed: its fp16 loss scaler dropped this step's update (overflow)
-            micro_records: list = []  # (loss, timesteps) per micro-batch, read only to report a fault
-            micro_samples: list = []  # the samples' names and NaN/inf flags, read only to report a fault
-            for micro in range(k):
-                td = time.perf_counter()
-                batch = next(data_iter)
-                data_wait += time.perf_counter() - td
-                micro_samples.append({"source": batch.get("source"), "nonfinite": batch.get("nonfinite")})
-                with acc.accumulate(model):
-                    loss_map, outputs, metrics = method.single_train_step(batch, self.step)
-                    tb = outputs.get("training_batch")
-                    micro_records.append((loss_map["total_loss"].detach(), getattr(tb, "timesteps", None)))
-                    if steps_in_backward and fault is None:
-                        # The engine steps inside the last backward: a non-finite loss (on any rank)
-                        # keeps this and the step's later micro-batches out of backward, so the
-                        # engine never steps. Their forward still runs (same data and RNG use as
-                        # on the other engines).
-                        fault = self._find_fault(micro_records[-1][0], None, micro_records, self.step + 1)
-                    if fault is None:
-                        method.backward(loss_map, outputs, grad_accum_rounds=k)
-                    for name, value in loss_map.items():
-                        loss_sums[name] = loss_sums.get(name, 0.0) + value.detach().float() / k
-                    for name, value in metrics.items():
-                        metric_sums[name] = metric_sums.get(name, 0.0) + torch.as_tensor(value).detach().float() / k
-                    samples += batch["vae_latent"].shape[0]
-                    tokens += batch["vae_latent"].shape[0] * latent_tokens(batch["vae_latent"].shape[1:])
-                    if acc.sync_gradients and steps_in_backward:
-                        if fault is None:
-                            # The engine has stepped: its norm can only tell that it applied a
-                            # non-finite gradient, unless its fp16 loss scaler dropped the update.
-                            grad_norm, _ = self._grad_norm(params, max_norm)  # clipped inside the engine's step
-                            engine_skipped = bool(getattr(method.optimizer, "step_was_skipped", False))
-                            fault = self._find_fault(
-                                loss_sums["total_loss"], grad_norm, micro_records, self.step + 1, scaler_skipped=engine_skipped
-                            )
-                            applied = fault is not None
-                            # The schedule follows the step count. Accelerate hands DeepSpeed only
-                            # a schedule of its own kinds (WarmupLR...); ours (LambdaLR) stays an
-                            # AcceleratedScheduler that steps here. An engine-owned one's wrapper
-                            # (DeepSpeedSchedulerWrapper) does nothing here: the engine stepped it.
-                            method.lr_scheduler.step()
-                        else:
-                            # No backward ran the engine's step, nor its LR schedule step: the
-                            # schedule follows the step count, as a skipped step does elsewhere.
-                            getattr(method.lr_scheduler, "scheduler", method.lr_scheduler).step()
-                        if fault is not None and describe_samples(micro_samples):
-                            rank = f" (process {acc.process_index})" if acc.num_processes > 1 else ""
-                            fault += f"; {describe_samples(micro_samples)}{rank}"
-                    elif acc.sync_gradients:
-                        # The norm is taken even without clipping (max norm inf) to catch a
-                        # non-finite gradient before it reaches the weights.
-                        grad_norm, clipped = self._grad_norm(params, max_norm)
-                        fault = self._find_fault(loss_sums["total_loss"], grad_norm, micro_records, self.step + 1)
-                        if fault is None and not clipped:
-                            self._clip_to(params, max_norm, grad_norm, self._norm_value)
-                        if fault is not None and describe_samples(micro_samples):
-                            rank = f" (process {acc.process_index})" if acc.num_processes > 1 else ""
-                            fault += f"; {describe_samples(micro_samples)}{rank}"
-                        if fault is None:
-                            method.optimizer.step()
-                        elif acc.scaler is not None:
-                            acc.scaler.update()  # clip_grad_norm_ unscaled: reset the scaler's step state
-                        # The schedule follows the step count, skipped steps included (exact resume).
-                        method.lr_scheduler.step()
-                        method.optimizer.zero_grad(set_to_none=True)
-            self.dataloader.mark_step_done(batch)
-            self.step += 1
-            steps_run += 1
-            if fault is None:
-                self.consecutive_skips = 0
-                if engine_skipped:
-                    # No update, so counted (the EMA leaves it out), but not a fault.
-                    self.skipped_steps += 1
-                    if acc.is_main_process:
-                        logger.info("step %d: DeepSpeed's loss scaler skipped the update (gradient overflow; %d skipped in all)",
-                                    self.step, self.skipped_steps)
-            elif applied:
-                pass  # not a skipped step: the update happened (the run stops below)
-            else:
-                self.skipped_steps += 1
-                self.consecutive_skips += 1
-                # Another process reports it too when its own samples hold the NaN/inf.
-                if acc.is_main_process or NONFINITE_MARK in fault:
-                    logger.warning("skipped step %d (%d skipped in all): %s", self.step, self.skipped_steps, fault)
-            step_time = time.perf_counter() - t0
-
-            global_samples = samples * data_parallel
-            samples_run += global_samples
-            tokens_run += tokens * data_parallel
-            logs: dict[str, Any] = {}
-            # Losses and metrics are read (a host sync, and a collective across processes) only on
-            # the steps that log them: every log_every-th, the run's first and the last.
-            log_now = self.step % log_every == 0 or self.step == max_steps or steps_run == 1
-            if log_now:
-                names = [*loss_sums, *metric_sums]
-                values = torch.stack([v.reshape(()) for v in [*loss_sums.values(), *metric_sums.values()]]).to(acc.device)
-                # Means over data-parallel ranks (FastVideo logged rank 0's alone), in one collective.
-                reduced = acc.reduce(values, reduction="mean") if acc.num_processes > 1 else values
-                logs.update(zip(names, reduced.tolist()))
-                logs["loss"] = logs["total_loss"]
-            logs["lr"] = float(method.lr_scheduler.get_last_lr()[0])
-            if log_now and grad_norm is not None:
-                logs["grad_norm"] = float(grad_norm)
-            logs["step_time"] = step_time
-            logs["data_wait"] = data_wait
-            logs["samples_per_s"] = global_samples / step_time
-            logs["latent_tokens_per_s"] = tokens * data_parallel / step_time
-            logs["epoch"] = self.dataloader.epoch
-            logs["skipped_steps"] = self.skipped_steps
-            logs.update(telemetry.step_metrics(step_time=step_time, samples=samples, tokens=tokens))
-            if log_now:
-                self.history.append({"step": self.step, **logs})
-                self._log(logs, self.step)
-                progress.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
-            progress.update(1)
-
-            if applied:
-                # No callback (the EMA) sees these weights and no checkpoint holds them.
-                progress.close()
-                from fv_accel.checkpoint import latest_checkpoint
-
-                last = latest_checkpoint(self.output_dir)
-                raise TrainingStopped(
-                    f"stopped (training.loop.nan_policy: {nan_policy}): {fault}; DeepSpeed applied step {self.step} "
-                    f"inside backward, so its weights may hold NaN/inf and no checkpoint was saved; "
-                    f"the last one is {last if last is not None else 'none'}",
-                    last,
-                )
+            outcome = self._train_step(data_iter, loop)
+            self._count_step(outcome)
+            outcome.step_time = time.perf_counter() - t0
+            tally.add(outcome, loop.data_parallel)
+            self._log_step(outcome, loop, tally, telemetry)
+            if outcome.applied:
+                self._stop_after_applied_fault(outcome, loop)
             for cb in self.callbacks:
-                cb.on_step_end(self, self.step, logs)
-            if ckpt_every and self.step % ckpt_every == 0 and self.step < max_steps:
-                self.save_checkpoint()
-            stop_reason = None
-            if fault is not None and nan_policy == "stop":
-                stop_reason = f"stopped (training.loop.nan_policy: stop): {fault}"
-            elif fault is not None and self.consecutive_skips > max_skips:
-                stop_reason = (
-                    f"stopped: {self.consecutive_skips} non-finite steps in a row, more than "
-                    f"training.loop.max_consecutive_skips ({max_skips}); last: {fault}"
-                )
-            if stop_reason is not None:
-                progress.close()
-                ckpt = self.save_checkpoint()
-                raise TrainingStopped(f"{stop_reason}; checkpoint saved in {ckpt}", ckpt)
-            if self.step < max_steps and self._stop_requested():
-                stopped_by = signal.Signals(self._stop_signal).name if self._stop_signal else "another rank's signal"
+                cb.on_step_end(self, self.step, outcome.logs)
+            self._checkpoint_if_due(loop)
+            self._stop_on_fault_policy(outcome, loop)
+            stopped_by = self._requested_stop(loop)
+            if stopped_by is not None:
                 break
         progress.close()
-
         wall = time.perf_counter() - t_start
-        if stopped_by is not None:
-            # Preempted: not the end of training, so no final weights and no end-of-run callbacks.
-            ckpt = self.save_checkpoint()
-            if acc.is_main_process:
-                print(
-                    f"stopped by {stopped_by} after step {self.step}: checkpoint saved in {ckpt}; "
-                    f"continue with --resume_from_checkpoint latest",
-                    flush=True,
-                )
-                stopped_file = os.environ.get(STOPPED_FILE_ENV)
-                if stopped_file:
-                    # For a job script: this run stopped early with a checkpoint (requeue it).
-                    Path(stopped_file).write_text(f"{ckpt}\n", encoding="utf-8")
+        return self._end_of_run(stopped_by, wall, tally, telemetry)
+
+    # ---- one step: k micro-batches, then at the sync the fault check, clip, optimizer and LR steps ----
+    def _train_step(self, data_iter: Iterator, loop: "LoopSettings") -> "StepOutcome":
+        acc = self.accelerator
+        out = StepOutcome()
+        for _ in range(loop.accumulation):
+            td = time.perf_counter()
+            batch = next(data_iter)
+            out.data_wait += time.perf_counter() - td
+            out.micro_samples.append({"source": batch.get("source"), "nonfinite": batch.get("nonfinite")})
+            with acc.accumulate(loop.model):
+                self._micro_step(batch, out, loop)
+                if acc.sync_gradients and self.steps_in_backward:
+                    self._after_engine_step(out, loop)
+                elif acc.sync_gradients:
+                    self._clip_and_step(out, loop)
+        out.last_batch = batch
+        return out
+
+    def _micro_step(self, batch: dict, out: "StepOutcome", loop: "LoopSettings") -> None:
+        """The method's forward and (unless a fault keeps it out) backward on one micro-batch, and
+        its losses and metrics added to the step's means."""
+        method = self.method
+        k = loop.accumulation
+        loss_map, outputs, metrics = method.single_train_step(batch, self.step)
+        tb = outputs.get("training_batch")
+        out.micro_records.append((loss_map["total_loss"].detach(), getattr(tb, "timesteps", None)))
+        if self.steps_in_backward and out.fault is None:
+            # The engine steps inside the last backward: a non-finite loss (on any rank)
+            # keeps this and the step's later micro-batches out of backward, so the
+            # engine never steps. Their forward still runs (same data and RNG use as
+            # on the other engines).
+            out.fault = self._find_fault(out.micro_records[-1][0], None, out.micro_records, self.step + 1)
+        if out.fault is None:
+            method.backward(loss_map, outputs, grad_accum_rounds=k)
+        for name, value in loss_map.items():
+            out.loss_sums[name] = out.loss_sums.get(name, 0.0) + value.detach().float() / k
+        for name, value in metrics.items():
+            out.metric_sums[name] = out.metric_sums.get(name, 0.0) + torch.as_tensor(value).detach().float() / k
+        out.samples += batch["vae_latent"].shape[0]
+        out.tokens += batch["vae_latent"].shape[0] * latent_tokens(batch["vae_latent"].shape[1:])
+
+    def _after_engine_step(self, out: "StepOutcome", loop: "LoopSettings") -> None:
+        """DeepSpeed's sync: the engine stepped inside backward (unless a fault kept it out)."""
+        method = self.method
+        if out.fault is None:
+            # The engine has stepped: its norm can only tell that it applied a
+            # non-finite gradient, unless its fp16 loss scaler dropped the update.
+            out.grad_norm, _ = self._grad_norm(loop.params, loop.max_norm)  # clipped inside the engine's step
+            out.engine_skipped = bool(getattr(method.optimizer, "step_was_skipped", False))
+            out.fault = self._find_fault(
+                out.loss_sums["total_loss"], out.grad_norm, out.micro_records, self.step + 1, scaler_skipped=out.engine_skipped
+            )
+            out.applied = out.fault is not None
+            # The schedule follows the step count. Accelerate hands DeepSpeed only
+            # a schedule of its own kinds (WarmupLR...); ours (LambdaLR) stays an
+            # AcceleratedScheduler that steps here. An engine-owned one's wrapper
+            # (DeepSpeedSchedulerWrapper) does nothing here: the engine stepped it.
+            method.lr_scheduler.step()
         else:
-            self._write_final_outputs(student, cfg.training.checkpoint.save_final)
+            # No backward ran the engine's step, nor its LR schedule step: the
+            # schedule follows the step count, as a skipped step does elsewhere.
+            getattr(method.lr_scheduler, "scheduler", method.lr_scheduler).step()
+        self._name_fault_samples(out)
+
+    def _clip_and_step(self, out: "StepOutcome", loop: "LoopSettings") -> None:
+        """Every other engine's sync: the gradient norm, the fault check, the clip and the optimizer
+        step (left out on a fault); the LR schedule steps either way."""
+        acc = self.accelerator
+        method = self.method
+        # The norm is taken even without clipping (max norm inf) to catch a
+        # non-finite gradient before it reaches the weights.
+        out.grad_norm, clipped = self._grad_norm(loop.params, loop.max_norm)
+        out.fault = self._find_fault(out.loss_sums["total_loss"], out.grad_norm, out.micro_records, self.step + 1)
+        if out.fault is None and not clipped:
+            self._clip_to(loop.params, loop.max_norm, out.grad_norm, self._norm_value)
+        self._name_fault_samples(out)
+        if out.fault is None:
+            method.optimizer.step()
+        elif acc.scaler is not None:
+            acc.scaler.update()  # clip_grad_norm_ unscaled: reset the scaler's step state
+        # The schedule follows the step count, skipped steps included (exact resume).
+        method.lr_scheduler.step()
+        method.optimizer.zero_grad(set_to_none=True)
+
+    def _name_fault_samples(self, out: "StepOutcome") -> None:
+        """A fault's message also names the step's samples that hold NaN/inf (and this process)."""
+        acc = self.accelerator
+        if out.fault is not None and describe_samples(out.micro_samples):
+            rank = f" (process {acc.process_index})" if acc.num_processes > 1 else ""
+            out.fault += f"; {describe_samples(out.micro_samples)}{rank}"
+
+    # ---- fault handling: the step counted, a skipped step reported, a fault policy's stop ----
+    def _count_step(self, out: "StepOutcome") -> None:
+        acc = self.accelerator
+        self.dataloader.mark_step_done(out.last_batch)
+        self.step += 1
+        if out.fault is None:
+            self.consecutive_skips = 0
+            if out.engine_skipped:
+                # No update, so counted (the EMA leaves it out), but not a fault.
+                self.skipped_steps += 1
+                if acc.is_main_process:
+                    logger.info("step %d: DeepSpeed's loss scaler skipped the update (gradient overflow; %d skipped in all)",
+                                self.step, self.skipped_steps)
+        elif out.applied:
+            pass  # not a skipped step: the update happened (the run stops after this step's logs)
+        else:
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            # Another process reports it too when its own samples hold the NaN/inf.
+            if acc.is_main_process or NONFINITE_MARK in out.fault:
+                logger.warning("skipped step %d (%d skipped in all): %s", self.step, self.skipped_steps, out.fault)
+
+    def _stop_after_applied_fault(self, out: "StepOutcome", loop: "LoopSettings") -> None:
+        """DeepSpeed applied a non-finite step inside backward: stop without a checkpoint. No
+        callback (the EMA) sees these weights and no checkpoint holds them."""
+        self._progress.close()
+        from fv_accel.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(self.output_dir)
+        raise TrainingStopped(
+            f"stopped (training.loop.nan_policy: {loop.nan_policy}): {out.fault}; DeepSpeed applied step {self.step} "
+            f"inside backward, so its weights may hold NaN/inf and no checkpoint was saved; "
+            f"the last one is {last if last is not None else 'none'}",
+            last,
+        )
+
+    def _stop_on_fault_policy(self, out: "StepOutcome", loop: "LoopSettings") -> None:
+        """nan_policy stop, or more than max_consecutive_skips faults in a row: a checkpoint, then TrainingStopped."""
+        stop_reason = None
+        if out.fault is not None and loop.nan_policy == "stop":
+            stop_reason = f"stopped (training.loop.nan_policy: stop): {out.fault}"
+        elif out.fault is not None and self.consecutive_skips > loop.max_skips:
+            stop_reason = (
+                f"stopped: {self.consecutive_skips} non-finite steps in a row, more than "
+                f"training.loop.max_consecutive_skips ({loop.max_skips}); last: {out.fault}"
+            )
+        if stop_reason is not None:
+            self._progress.close()
+            ckpt = self.save_checkpoint()
+            raise TrainingStopped(f"{stop_reason}; checkpoint saved in {ckpt}", ckpt)
+
+    # ---- the checkpoint cadence and the stop request ----
+    def _checkpoint_if_due(self, loop: "LoopSettings") -> None:
+        if self._checkpoint_due(loop.ckpt_every, loop.max_steps):
+            self.save_checkpoint()
+
+    def _requested_stop(self, loop: "LoopSettings") -> Optional[str]:
+        """What asked this run to stop at this step boundary (a signal's name), or None."""
+        if self.step < loop.max_steps and self._stop_requested():
+            return signal.Signals(self._stop_signal).name if self._stop_signal else "another rank's signal"
+        return None
+
+    # ---- the log cadence ----
+    def _log_step(self, out: "StepOutcome", loop: "LoopSettings", tally: "RunTally", telemetry: Any) -> None:
+        """The step's logs (`out.logs`, which every callback gets). Losses and metrics are read (a
+        host sync, and a collective across processes) only on the steps that log them: every
+        log_every-th, the run's first and the last."""
+        acc = self.accelerator
+        logs: dict[str, Any] = {}
+        log_now = self.step % loop.log_every == 0 or self.step == loop.max_steps or tally.steps == 1
+        if log_now:
+            names = [*out.loss_sums, *out.metric_sums]
+            values = torch.stack([v.reshape(()) for v in [*out.loss_sums.values(), *out.metric_sums.values()]]).to(acc.device)
+            # Means over data-parallel ranks (FastVideo logged rank 0's alone), in one collective.
+            reduced = acc.reduce(values, reduction="mean") if acc.num_processes > 1 else values
+            logs.update(zip(names, reduced.tolist()))
+            logs["loss"] = logs["total_loss"]
+        logs["lr"] = float(self.method.lr_scheduler.get_last_lr()[0])
+        if log_now and out.grad_norm is not None:
+            logs["grad_norm"] = float(out.grad_norm)
+        logs["step_time"] = out.step_time
+        logs["data_wait"] = out.data_wait
+        logs["samples_per_s"] = out.samples * loop.data_parallel / out.step_time
+        logs["latent_tokens_per_s"] = out.tokens * loop.data_parallel / out.step_time
+        logs["epoch"] = self.dataloader.epoch
+        logs["skipped_steps"] = self.skipped_steps
+        logs.update(telemetry.step_metrics(step_time=out.step_time, samples=out.samples, tokens=out.tokens))
+        if log_now:
+            self.history.append({"step": self.step, **logs})
+            self._log(logs, self.step)
+            self._progress.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
+        self._progress.update(1)
+        out.logs = logs
+
+    # ---- the end of the loop: final outputs or the stop's checkpoint, the summary ----
+    def _end_of_run(self, stopped_by: Optional[str], wall: float, tally: "RunTally", telemetry: Any) -> dict:
+        acc = self.accelerator
+        cfg = self.config
+        if stopped_by is not None:
+            self._save_on_stop_request(stopped_by)
+        else:
+            self._write_final_outputs(self.method.student, cfg.training.checkpoint.save_final)
         acc.wait_for_everyone()
         summary = {
-            "steps": steps_run,
+            "steps": tally.steps,
             "final_step": self.step,
             "wall_time_s": wall,
-            "samples_per_s": samples_run / wall if wall > 0 else math.nan,
+            "samples_per_s": tally.samples / wall if wall > 0 else math.nan,
             "first_loss": self.history[0]["loss"] if self.history else math.nan,
             "last_loss": self.history[-1]["loss"] if self.history else math.nan,
             "skipped_steps": self.skipped_steps,
             "stopped_by": stopped_by,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }
-        summary["latent_tokens_per_s"] = tokens_run / wall if wall > 0 else math.nan
+        summary["latent_tokens_per_s"] = tally.tokens / wall if wall > 0 else math.nan
         summary["peak_cpu_rss_gb"] = telemetry.peak_rss / 2**30
         if telemetry.on_cuda:
             summary["peak_mem_gb"] = torch.cuda.max_memory_allocated(acc.device) / 2**30
@@ -689,10 +793,25 @@ class Trainer:
         if acc.is_main_process and stopped_by is None:
             logger.info("run summary: %s", summary)
             print(
-                f"done: {steps_run} steps in {wall:.1f}s, loss {summary['first_loss']:.4f} -> "
+                f"done: {tally.steps} steps in {wall:.1f}s, loss {summary['first_loss']:.4f} -> "
                 f"{summary['last_loss']:.4f}; outputs in {self.output_dir}"
             )
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None
         return summary
+
+    def _save_on_stop_request(self, stopped_by: str) -> None:
+        """Preempted: not the end of training, so no final weights and no end-of-run callbacks;
+        a checkpoint, and (main process) where it is."""
+        ckpt = self.save_checkpoint()
+        if self.accelerator.is_main_process:
+            print(
+                f"stopped by {stopped_by} after step {self.step}: checkpoint saved in {ckpt}; "
+                f"continue with --resume_from_checkpoint latest",
+                flush=True,
+            )
+            stopped_file = os.environ.get(STOPPED_FILE_ENV)
+            if stopped_file:
+                # For a job script: this run stopped early with a checkpoint (requeue it).
+                Path(stopped_file).write_text(f"{ckpt}\n", encoding="utf-8")

@@ -27,13 +27,15 @@ HELDOUT_SHARE = 0.1
 
 def tiny_caption_pattern() -> re.Pattern:
     """The captions the tiny world's clips carry (`fv_accel.tiny.clips.ClipSpec.caption`)."""
-    from fv_accel.tiny.clips import BACKGROUNDS, COLORS, MOTIONS, SHAPES
+    from fv_accel.tiny import tiny_caption_words
 
-    def alt(words: Any) -> str:
-        return "(?:" + "|".join(re.escape(w) for w in words) + ")"
+    words = tiny_caption_words()
+
+    def alt(name: str) -> str:
+        return "(?:" + "|".join(re.escape(w) for w in words[name]) + ")"
 
     return re.compile(
-        rf"a {alt(COLORS)} {alt(SHAPES)} moving {alt(MOTIONS)} on a {alt(BACKGROUNDS)} background", re.IGNORECASE
+        rf"a {alt('colors')} {alt('shapes')} moving {alt('motions')} on a {alt('backgrounds')} background", re.IGNORECASE
     )
 
 

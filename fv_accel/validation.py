@@ -10,8 +10,10 @@ exactly as one without.
 Sample videos (`VideoSamplingCallback`): prompts from `prompts` and/or `prompt_file` (TXT: one
 per line; JSONL: one string or object per line; JSON: a list, or {"prompts": [...]}); an object
 may set `prompt`, `negative_prompt`, `height`, `width`, `frames`, `steps`, `guidance`, `seed`,
-`name`. A fine-tuned Wan student samples through diffusers' `WanPipeline`; a DFSFT student
-through the diffusion-forcing sampler of `fv_accel.sampling` (chunk by chunk). Videos are written
+`name`. A fine-tuned student samples through its family's diffusers pipeline (e.g. `WanPipeline`)
+with the model repo's own scheduler class and shift (`scheduler`, `sampling_flow_shift`; see
+docs/validation-sampling.md); a DFSFT student through the diffusion-forcing sampler of
+`fv_accel.sampling` (chunk by chunk, Euler steps at that shift). Videos are written
 to `<output_dir>/samples/step-<n>/` as mp4 and logged to TensorBoard (animated image summaries)
 and W&B (videos). `<output_dir>/samples/grid.png` (also logged as the image `validation/grid`)
 shows every validation so far: a row per prompt, a column per step, each cell a strip of
@@ -95,12 +97,31 @@ PROMPT_KEYS = {
 }
 
 
+def _prompt_file_text(path: Path) -> str:
+    """The text of a prompt file; errors are one line naming the file and what is wrong with it."""
+    key = "callbacks.validation.prompt_file"
+    if path.is_dir():
+        raise ValueError(f"{key}: '{path}' is a folder; expected a .txt, .jsonl or .json file of prompts")
+    if not path.is_file():
+        raise FileNotFoundError(f"{key}: '{path}' does not exist")
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"{key}: '{path}' cannot be read ({err.strerror or err.__class__.__name__})") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{key}: '{path}' is not UTF-8 (byte {raw[err.start:err.end].hex(' ')} at offset {err.start}, line {line}); "
+            "save it as UTF-8"
+        ) from None
+
+
 def read_prompt_file(path: Union[str, Path]) -> list[Union[str, dict]]:
     """Entries of a TXT / JSONL / JSON prompt file (strings or objects), errors naming the line."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"callbacks.validation.prompt_file: '{path}' does not exist")
-    text = path.read_text(encoding="utf-8")
+    text = _prompt_file_text(path)
     suffix = path.suffix.lower()
     if suffix == ".txt":
         return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
@@ -224,14 +245,14 @@ def resolve_heldout_path(cfg: Any, accelerator: Any = None) -> Optional[str]:
     val = cfg.callbacks.validation
     if val.heldout_data_path != "tiny":
         return val.heldout_data_path
-    from fv_accel.tiny.data import ensure_tiny_dataset
+    from fv_accel.tiny import tiny_dataset
 
     data = dataclasses.replace(
         cfg.training.data, seed=cfg.training.data.seed + 1, tiny_num_clips=val.heldout_max_samples
     )
     context = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
     with context:
-        return str(ensure_tiny_dataset(data))
+        return str(tiny_dataset(data))
 
 
 def training_exclusions(cfg: Any, data_path: str) -> list[int]:
@@ -487,6 +508,23 @@ def sampling_model_source(cfg: Any, data_path: Optional[str]) -> Optional[str]:
     return None
 
 
+def repo_sampling_schedule(source: str, val: Any, family: type, revision: Optional[str] = None) -> Any:
+    """The scheduler sample videos step with (a `fv_accel.sampling.SamplingSchedule`):
+    `callbacks.validation.scheduler` and `sampling_flow_shift` (`val`) over the scheduler config of
+    the model repo `source` (the one the VAE comes from), else over the family's default."""
+    from fv_accel.models.loading import fetch_config
+    from fv_accel.sampling import resolve_sampling_schedule
+
+    config = fetch_config(source, "scheduler", revision=revision, required=False, filename="scheduler_config.json")
+    return resolve_sampling_schedule(
+        config,
+        scheduler=val.scheduler,
+        shift=val.sampling_flow_shift,
+        fallback_config=family.default_scheduler_config(),
+        origin=f"{source} scheduler/scheduler_config.json",
+    )
+
+
 def vae_scale_factors(model_source: Optional[str]) -> tuple[int, int]:
     """(spatial, temporal) compression of the model's VAE (Wan 2.1: 8, 4; Wan 2.2 TI2V: 16, 4), as its
     family reads it from the repo's configs."""
@@ -703,8 +741,30 @@ class VideoSamplingCallback(TrainerCallback):
         self.vae = encoder.vae.to("cpu", torch.float32).eval().requires_grad_(False)
         self.spatial, self.temporal = int(encoder.spec.scale_factor_spatial), int(encoder.spec.scale_factor_temporal)
         del encoder
+        self.schedule = repo_sampling_schedule(source, self.val, family, revision=revision)
         if trainer.method.student.capabilities.image_conditioning:
             self._load_condition(spatial=self.spatial, temporal=self.temporal)
+
+    def describe_sampler(self, trainer: Any) -> str:
+        """What the sample videos step with, for the log at start."""
+        chunk_size = chunk_size_of(trainer.method)
+        if chunk_size is None:
+            return (
+                f"whole clips through the {trainer.method.student.family} family's diffusers pipeline (or the same "
+                f"loop over the student where that pipeline cannot take its inputs) with {self.schedule.describe()}"
+            )
+        if self.schedule.dynamic:
+            shift = "the static shift of its resolution-dependent rule at each sample's token count"
+        else:
+            shift = f"shift {self.schedule.euler_shift(0):g}"
+        text = (
+            f"the diffusion-forcing sampler (fv_accel.sampling; chunks of {chunk_size} latent frames, ar_step "
+            f"{self.val.ar_step}) steps each chunk with Euler on FlowMatchEulerDiscreteScheduler's sigmas at {shift}, "
+            f"the shift of {self.schedule.describe()}"
+        )
+        if self.schedule.class_name != "FlowMatchEulerDiscreteScheduler":
+            text += f"; {self.schedule.class_name} itself is not used for chunk-by-chunk sampling"
+        return text
 
     def _load_condition(self, *, spatial: int, temporal: int) -> None:
         """The first clip of the training data conditions every image-to-video sample; the samples
@@ -727,6 +787,11 @@ class VideoSamplingCallback(TrainerCallback):
             return
         if self._samples_here(trainer.accelerator):
             self._load(trainer)
+            if trainer.accelerator.is_main_process:
+                logger.info(
+                    "sample videos: %s | training shift %s (models.student.flow_shift, else the family's)",
+                    self.describe_sampler(trainer), trainer.method.student.describe_training_shift(),
+                )
         if self.val.at_start:
             self.sample(trainer, trainer.step)
 
@@ -735,9 +800,8 @@ class VideoSamplingCallback(TrainerCallback):
             self.sample(trainer, step)
 
     def _sample_latents(self, trainer: Any, student: Any, p: SamplePrompt) -> torch.Tensor:
-        from fv_accel.sampling import latent_frames, sample_diffusion_forcing
+        from fv_accel.sampling import latent_frames, sample_diffusion_forcing, sample_with_scheduler
 
-        device = trainer.accelerator.device
         condition = self.condition
 
         def conditioning(prompt: str) -> Conditioning:
@@ -750,53 +814,41 @@ class VideoSamplingCallback(TrainerCallback):
         chunk_size = chunk_size_of(trainer.method)
         spatial, temporal = self.spatial, self.temporal
         shape = (1, student.in_channels, latent_frames(p.num_frames, temporal), p.height // spatial, p.width // spatial)
+        steps = dict(num_inference_steps=p.sampling_steps, guidance_scale=p.guidance_scale)
         if chunk_size is None:
             # The family's own diffusers pipeline, where it has one for this student.
             latents = student.sample_latents(
-                self.vae,
-                text,
-                negative,
-                height=p.height,
-                width=p.width,
-                num_frames=p.num_frames,
-                num_inference_steps=p.sampling_steps,
-                guidance_scale=p.guidance_scale,
-                shift=self.val.sampling_flow_shift,
-                generator=generator,
-                first_frame=None if condition is None else condition["pil_image"][0].numpy(),
+                self.vae, text, negative, height=p.height, width=p.width, num_frames=p.num_frames,
+                scheduler=self.schedule.build(), generator=generator,
+                first_frame=None if condition is None else condition["pil_image"][0].numpy(), **steps,
             )
             if latents is not None:
                 return latents
-        noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
+        noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(trainer.accelerator.device)
         clean = text.clean_frames
         first = student.clean_latents(condition)[:, :, :clean] if clean else None
         per_frame = student.capabilities.per_frame_timesteps
 
         def predict(x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-            # One chunk (no chunk size): every sampled frame is at the same level, one timestep per sample.
+            # A student without per-frame timesteps samples whole clips only: one timestep per sample.
             single = t[:, 0]
             if clean:  # the sampled frames follow the condition frames, the clean first frame at t = 0
                 x = torch.cat([first.expand(x.shape[0], -1, -1, -1, -1), x], dim=2)
                 t = torch.cat([t.new_zeros(t.shape[0], clean), t], dim=1)
             return student.forward(x, t if per_frame else single, cond)[:, :, clean:]
 
-        # The chunks start after the condition frames, as in training (DFSFT's noise chunks and a
-        # causal student's attention blocks). Without a chunk size (a fine-tuned non-Wan student)
-        # the sampled frames are one chunk.
-        x = sample_diffusion_forcing(
-            predict,
-            noise[:, :, clean:],
-            text,
-            chunk_size=chunk_size or shape[2] - clean,
-            num_inference_steps=p.sampling_steps,
-            shift=self.val.sampling_flow_shift,
-            guidance_scale=p.guidance_scale,
-            negative_text=negative,
-            ar_step=self.val.ar_step if chunk_size else 0,
-            context_noise=self.val.context_noise,
-            generator=generator,
-            causal=getattr(student, "causal_block_size", None) is not None,
-        )
+        # The samplers run over the frames after the condition frames: the chunks start there, as in
+        # training (DFSFT's noise chunks and a causal student's attention blocks).
+        sampled = noise[:, :, clean:]
+        if chunk_size is None:
+            # No family pipeline for this student: the pipeline's loop, with the same scheduler.
+            x = sample_with_scheduler(predict, sampled, text, self.schedule.build(), negative_text=negative, **steps)
+        else:
+            x = sample_diffusion_forcing(
+                predict, sampled, text, chunk_size=chunk_size, shift=self.schedule.euler_shift(student.tokens(shape)),
+                negative_text=negative, ar_step=self.val.ar_step, context_noise=self.val.context_noise,
+                generator=generator, causal=getattr(student, "causal_block_size", None) is not None, **steps,
+            )
         if clean:
             x = torch.cat([first.to(x.dtype), x], dim=2)
         return x

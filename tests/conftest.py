@@ -31,7 +31,7 @@ def _cache_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny Wan model in the Hub layout (transformer, vae, text_encoder, tokenizer, scheduler)."""
-    from fv_accel.tiny_model import write_tiny_model
+    from fv_accel.tiny.model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny_model") / "tiny-wan", seed=0)
 

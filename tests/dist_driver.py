@@ -5,7 +5,8 @@ tests/test_distributed.py checks. Launched by the tests as
         tests/dist_driver.py SPEC.json
 
 and also imported by them for the single-process runs. SPEC is a JSON list of runs, each
-`{"name", "recipe", "overrides", "engine"}`; run `name` writes `<out_root>/<name>/rank<r>.json`
+`{"name", "recipe", "overrides", "engine"}` (and `"expect_error": true` for a run whose build must be
+refused: its error is recorded per rank instead); run `name` writes `<out_root>/<name>/rank<r>.json`
 (world size, engine, per-step local loss and sample indices, logged losses) and, for unsharded
 engines, `rank<r>.safetensors` (that rank's final weights).
 
@@ -64,6 +65,24 @@ def _context_parallel_of(model: torch.nn.Module):
     return {"ulysses": cp.ulysses_degree, "ring": cp.ring_degree, "group_rank": cp._flattened_mesh.get_local_rank()}
 
 
+def _build_error(spec: dict, cfg, acc, out_root: Path) -> dict:
+    """A run expected to be refused (`"expect_error": true`): records the build's error on each rank."""
+    from fv_accel.build import build_from_config
+
+    try:
+        build_from_config(cfg, accelerator=acc)
+    except Exception as err:  # noqa: BLE001 - recorded for the test
+        error = f"{type(err).__name__}: {err}"
+    else:
+        raise AssertionError(f"run {spec['name']}: the build was expected to fail and did not")
+    record = {"name": spec["name"], "rank": acc.process_index, "world_size": acc.num_processes,
+              "distributed_type": str(acc.distributed_type), "error": error}
+    out = out_root / spec["name"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{acc.process_index}.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
 def run_one(spec: dict, out_root: Path) -> dict:
     from fv_accel.build import build_accelerator, build_from_config
     from fv_accel.config import load_config
@@ -75,6 +94,8 @@ def run_one(spec: dict, out_root: Path) -> dict:
         # build_accelerator switches an FSDP launch on CPU to FSDP2 (fv_accel.build.fsdp2_on_cpu).
         assert str(acc.distributed_type) == "DistributedType.FSDP", acc.distributed_type
     keep_process_group(acc)
+    if spec.get("expect_error"):
+        return _build_error(spec, cfg, acc, out_root)
     run = build_from_config(cfg, accelerator=acc)
     method = run.method
     steps: dict[int, dict] = {}

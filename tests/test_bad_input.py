@@ -130,11 +130,11 @@ def test_output_dir_holding_another_runs_checkpoints(tmp_path, latent_data, caps
         "finetune",
         small_overrides(out, latent_data),
         CheckpointError,
-        f"training.checkpoint.output_dir: '{out}' already holds checkpoints of another run (checkpoint-1)",
+        f"training.checkpoint.output_dir: '{out}' already holds checkpoints of another run (checkpoint-1, checkpoint-2)",
     )
     assert "--resume_from_checkpoint latest" in text
-    # Resuming it is fine.
-    assert build("finetune", {**first, "training.checkpoint.resume_from_checkpoint": "latest"}).start_step == 1
+    # Resuming it is fine (its last step has a checkpoint too).
+    assert build("finetune", {**first, "training.checkpoint.resume_from_checkpoint": "latest"}).start_step == 2
     # From the command line: one line, exit 2.
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(load_config(default_recipe("finetune"), small_overrides(out, latent_data)).to_yaml())

@@ -90,9 +90,11 @@ def one_process(tmp_path_factory, tiny_data_path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_on_two_cpu_processes_equals_one_process_with_accumulation(stage, one_process, tmp_path, tiny_data_path):
+def test_deepspeed_zero_on_two_cpu_processes_equals_one_process_with_accumulation(stage, one_process, tmp_path, tiny_data_path, capsys):
     out = tmp_path / f"zero{stage}"
     extra = ("--callbacks.ema.enable", "false") if stage == 3 else ()  # the EMA is refused under ZeRO-3
+    if stage == 2:  # a checkpoint at the last step, for the resume below
+        extra = ("--training.checkpoint.training_state_checkpointing_steps", "3")
     code, log = launch(f"accelerate_configs/deepspeed_zero{stage}.yaml", out, *extra)
     assert code == 0, log[-6000:]
     assert not (tmp_path / f"zero{stage}.extensions").exists() and "built successfully" not in log  # nothing compiled
@@ -115,6 +117,25 @@ def test_deepspeed_zero_on_two_cpu_processes_equals_one_process_with_accumulatio
     final, ref = load_file(str(out / WEIGHTS)), load_file(str(one_process / WEIGHTS))
     assert {str(v.dtype) for v in final.values()} == {"torch.float32"}
     assert max_diff(final, ref) < 1e-5
+    if stage == 2:
+        # Issue 31: its checkpoint resumed without DeepSpeed (was: "pytorch_model.bin missing ... no
+        # complete checkpoint", as if damaged) is one line naming both engines.
+        from fv_accel.cli import main
+        from tests.dist_driver import reset_accelerate
+
+        ckpt = out / "checkpoint-3"
+        reset_accelerate()
+        capsys.readouterr()
+        code = main("finetune", [*ARGS, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", str(ckpt),
+                                 "--max_train_steps", "4"])
+        assert code == 2 and not (tmp_path / "resumed").exists()
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: {ckpt}: checkpoint written by DeepSpeed ZeRO-2, this launch is one process: it cannot be converted "
+            "(each engine stores the model and optimizer state in its own layout); resume it under DeepSpeed ZeRO-2 (the "
+            "launch configuration that wrote it), or start a new run from its weights with a fresh optimizer: "
+            f"`python -m deepspeed.utils.zero_to_fp32 {ckpt} <folder> --tag pytorch_model --safe_serialization` gathers "
+            "them into safetensors files"
+        ]
 
 
 @pytest.mark.multiproc

@@ -152,10 +152,12 @@ def ddp_runs(tmp_path_factory, tiny_data_path):
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory, tiny_data_path):
+def fsdp_runs(tmp_path_factory, tiny_data_path, ddp_runs):
     """Two processes x batch 1 under FSDP2 (the fsdp2.yaml launch config, activation checkpointing
-    switched on), checkpointing at step 2; then a fresh run resuming that sharded checkpoint."""
+    switched on), checkpointing at step 2; then a fresh run resuming that sharded checkpoint, and one
+    asked to resume the DDP run's checkpoint (refused)."""
     root = tmp_path_factory.mktemp("fsdp2")
+    ddp_root, _ = ddp_runs
     common = {"training.data.train_batch_size": 1}
     runs = [
         {
@@ -198,6 +200,18 @@ def fsdp_runs(tmp_path_factory, tiny_data_path):
                 root / "finetune_fsdp2_resumed",
                 **common,
                 **{"training.checkpoint.resume_from_checkpoint": str(root / "finetune_fsdp2" / "checkpoint-2")},
+            ),
+        },
+        {
+            # Another engine's checkpoint: refused before anything is loaded.
+            "name": "ddp_checkpoint_under_fsdp2",
+            "recipe": RECIPES["finetune"],
+            "engine": "fsdp2",
+            "expect_error": True,
+            "overrides": overrides(
+                root / "ddp_checkpoint_under_fsdp2",
+                **common,
+                **{"training.checkpoint.resume_from_checkpoint": str(ddp_root / "finetune_2proc" / "checkpoint-2")},
             ),
         },
     ]
@@ -408,6 +422,41 @@ def test_fsdp2_checkpoint_of_two_processes_resumes_in_one(fsdp_runs, tmp_path):
 
 
 @pytest.mark.multiproc
+def test_a_checkpoint_of_another_engine_is_refused_in_one_line(fsdp_runs, ddp_runs, tmp_path):
+    """Issue 31: a DDP checkpoint under an FSDP2 launch (was: AssertionError on `.metadata` in
+    torch.distributed.checkpoint) and an FSDP2 checkpoint in one process (was: "pytorch_model.bin
+    missing ... no complete checkpoint", as if damaged): one line naming both engines, and how to take
+    the weights to a new run."""
+    from fv_accel.build import build_from_config
+    from fv_accel.checkpoint import CheckpointError
+
+    root, records = fsdp_runs
+    ddp_root, _ = ddp_runs
+    ddp_ckpt = ddp_root / "finetune_2proc" / "checkpoint-2"
+    refused = records["ddp_checkpoint_under_fsdp2"]
+    assert [r["distributed_type"] for r in refused] == ["DistributedType.FSDP"] * 2
+    assert [r["error"] for r in refused] == [
+        f"CheckpointError: {ddp_ckpt}: checkpoint written by DDP, this launch is FSDP2: it cannot be converted (each engine "
+        "stores the model and optimizer state in its own layout); resume it under DDP (the launch configuration that "
+        f"wrote it), or start a new run from its weights with a fresh optimizer: `python -m fv_accel.export {ddp_ckpt} "
+        "--to diffusers` writes them as a transformer folder for models.student.init_from"
+    ] * 2
+    assert not (root / "ddp_checkpoint_under_fsdp2").exists()
+
+    fsdp_ckpt = root / "finetune_fsdp2" / "checkpoint-2"
+    _driver().reset_accelerate()
+    with pytest.raises(CheckpointError) as err:
+        build_from_config(REPO / RECIPES["finetune"], overrides(tmp_path / "one", **{
+            "training.checkpoint.resume_from_checkpoint": str(fsdp_ckpt)}))
+    assert str(err.value) == (
+        f"{fsdp_ckpt}: checkpoint written by FSDP2, this launch is one process: it cannot be converted (each engine stores "
+        "the model and optimizer state in its own layout); resume it under FSDP2 (the launch configuration that wrote "
+        f"it), or start a new run from its weights with a fresh optimizer: `accelerate merge-weights "
+        f"{fsdp_ckpt / 'pytorch_model_fsdp_0'} <folder>` gathers them into one safetensors file"
+    )
+
+
+@pytest.mark.multiproc
 def test_lora_dfsft_under_fsdp2_equals_ddp(fsdp_runs, ddp_runs):
     """A LoRA (frozen base, trainable adapter) DFSFT run: the adapter FSDP2 gathers and writes
     equals the DDP run's, step losses too."""
@@ -470,7 +519,7 @@ def launch_env(config: Path, *cli: str, with_args: bool = False):
 
 @pytest.mark.parametrize("name", ["fsdp2.yaml", "fsdp2_hybrid.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3_offload.yaml"])
 def test_multinode_launch_command_is_accepted(name):
-    """The README's second-node command: torchrun on each node with its machine rank (for
+    """The second-node command of docs/distributed-and-multi-node.md: torchrun on each node with its machine rank (for
     DeepSpeed too, not its pdsh launcher, so SLURM can start one launcher per node)."""
     cli = ("--num_machines", "2", "--num_processes", "16", "--machine_rank", "1",
            "--main_process_ip", "10.0.0.1", "--main_process_port", "29500")

@@ -4,8 +4,10 @@ diffusers loads (LoRA with metadata, ComfyUI layout, merged transformer, full tr
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,3 +185,107 @@ def test_full_checkpoint_exports_to_a_transformer_folder(full_run, tmp_path, cap
 def test_export_of_nothing_says_what_it_looked_for(tmp_path):
     with pytest.raises(SystemExit, match="found no weights to export.*pytorch_lora_weights.safetensors"):
         export_main([str(tmp_path), "--to", "diffusers"])
+
+
+# ---- issue 28: an export killed at any point leaves no folder that looks complete -----------------
+
+def test_an_export_killed_at_any_stage_leaves_no_folder_that_looks_complete(lora_run, full_run, tmp_path):
+    """Each target, from each kind of source, killed with SIGKILL on entering each of its stages, in
+    the middle of writing its weights (config.json written, weights not: the reported case) and just
+    before its rename: its folder does not exist, only `<out>.partial`. The next export to the same
+    folder names that partial export, removes it and writes the complete export; one killed just after
+    the rename is complete (byte for byte the same)."""
+    from fv_accel.export import partial_export_dir
+    from tests.export_kill import run_case
+
+    _, lora_out = lora_run
+    _, full_out, _ = full_run
+    sources = [  # (name, export arguments, stages)
+        ("lora_diffusers", [str(lora_out), "--to", "diffusers"], 1),
+        ("lora_comfyui", [str(lora_out), "--to", "comfyui"], 1),
+        ("lora_merged", [str(lora_out), "--to", "merged"], 4),
+        ("checkpoint_diffusers", [str(full_out / "checkpoint-1"), "--to", "diffusers"], 3),
+        ("transformer_diffusers", [str(full_out), "--to", "diffusers"], 1),
+    ]
+    cases, expect = [], []
+    for name, args, stages in sources:
+        out = tmp_path / name
+        watch = [str(out), str(partial_export_dir(out))]
+        for point in [*(f"stage:{k}" for k in range(1, stages + 1)), "write", "publish:before", None, "publish:after"]:
+            target = tmp_path / f"{name}_after" if point == "publish:after" else out
+            cases.append({"args": [*args, "--out", str(target)], "kill": point, "watch": [str(target), *watch]})
+            expect.append((name, target, point))
+    results = [run_case(case) for case in cases]
+
+    complete: dict[str, dict] = {}
+    left: dict[str, list] = {}
+    for (name, out, point), result in zip(expect, results):
+        partial = str(partial_export_dir(out))
+        seen = result["listings"]
+        if point is None:  # the next export, after the killed ones
+            assert result["status"] == 0, result["stderr"][-3000:]
+            assert f"removing {partial}: the partial export an interrupted export left" in result["stderr"]
+            assert seen[partial] is None
+            complete[name] = seen[str(out)]
+            assert complete[name] and not any(".fv_export" in f for f in complete[name])
+            continue
+        assert result["status"] == "killed", (name, point, result["stderr"][-3000:])
+        if point == "publish:after":
+            assert seen[str(out)] == complete[name], (name, point)
+            continue
+        # Killed before the rename: nothing at the export's folder; the partial one holds what was written.
+        assert seen[str(out)] is None, (name, point, seen[str(out)])
+        assert seen[partial] is not None, (name, point)
+        left.setdefault(name, []).append(sorted(f for f in seen[partial] if not f.startswith(".")))
+    # The "write" kills were inside the writing: a transformer folder with its config.json and no weights
+    # (the reported case), a LoRA file cut short.
+    for name in ("lora_merged", "checkpoint_diffusers"):
+        assert ["transformer/config.json"] in left[name], left[name]
+    assert [DIFFUSERS_LORA_FILE] in left["lora_diffusers"] and [COMFYUI_LORA_FILE] in left["lora_comfyui"]
+
+
+def _lying_header(src: Path, dst: Path) -> None:
+    """A copy of a safetensors file whose header claims more bytes for its first tensor than the file holds."""
+    import struct
+
+    data = src.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin, end + 4096]
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    dst.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+def test_a_lora_file_with_a_lying_header_fails_in_one_line_naming_it(lora_run, tiny_model_dir, tmp_path):
+    _, out = lora_run
+    bad = tmp_path / "bad_lora.safetensors"
+    _lying_header(out / DIFFUSERS_LORA_FILE, bad)
+    for target in ("comfyui", "merged"):
+        with pytest.raises(SystemExit) as err:
+            export_main([str(bad), "--to", target, "--out", str(tmp_path / target), "--base", str(tiny_model_dir)])
+        assert str(err.value) == (
+            f"export failed: {bad}: not a readable safetensors file (SafetensorError: Error while deserializing header: "
+            "invalid shape, data type, or offset for tensor)"
+        )
+        assert not (tmp_path / target).exists() and not (tmp_path / f"{target}.partial").exists()
+
+
+def test_an_export_to_a_folder_it_cannot_write_fails_in_one_line_naming_it(lora_run, tmp_path, monkeypatch):
+    """A read-only folder (as root, permission bits do not stop a write: the refusal is the OS's, emulated)."""
+    _, out = lora_run
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        if Path(path).parent == readonly:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    with pytest.raises(SystemExit) as err:
+        export_main([str(out), "--to", "comfyui", "--out", str(readonly / "comfy")])
+    assert str(err.value) == f"export failed: cannot write the export {readonly / 'comfy'}: {readonly / 'comfy.partial'}: Permission denied"

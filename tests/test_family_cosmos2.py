@@ -399,13 +399,14 @@ def test_sample_latents_run_the_stock_pipeline_around_the_student(cosmos_dir, co
     """Validation's sample: Cosmos2VideoToWorldPipeline around the live transformer, from precomputed
     embeddings and a training clip's first frame: normalised latents of the clip's size, the same
     as the stock pipeline loaded from the folder gives for the same inputs."""
-    from diffusers import AutoencoderKLWan
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
     student, _ = cosmos_student(cosmos_dir)
     batch = one_batch(cosmos_data)
     cond = student.build_conditioning(batch)
     vae = AutoencoderKLWan.from_pretrained(cosmos_dir, subfolder="vae")
-    kwargs = dict(height=64, width=64, num_frames=17, num_inference_steps=3, guidance_scale=1.0, shift=3.0)
+    kwargs = dict(height=64, width=64, num_frames=17, num_inference_steps=3, guidance_scale=1.0)
+    kwargs["scheduler"] = FlowMatchEulerDiscreteScheduler.from_pretrained(cosmos_dir, subfolder="scheduler")
     frame = batch["pil_image"][0].numpy()
     latents = student.sample_latents(vae, cond, None, generator=torch.Generator().manual_seed(0), first_frame=frame, **kwargs)
     assert latents.shape == (1, 16, 5, 8, 8)

@@ -271,6 +271,12 @@ def test_finetune_saves_what_the_stock_pipeline_loads_and_samples_17_frames(hv_d
         comfy = load_file(str(out / "pytorch_lora_weights_comfyui.safetensors"))
         assert "diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight" in comfy
         assert "diffusion_model.single_blocks.0.linear1.lora_B.weight" in comfy
+        # `python -m fv_accel.export RUN --to comfyui` writes the same file as training did.
+        from fv_accel.export import main as export_main
+
+        export_main([str(out), "--to", "comfyui", "--out", str(tmp_path / "comfy")])
+        exported = load_file(str(tmp_path / "comfy" / "pytorch_lora_weights_comfyui.safetensors"))
+        assert exported.keys() == comfy.keys() and all(torch.equal(exported[k], comfy[k]) for k in comfy)
     else:
         pipe.transformer = HunyuanVideoTransformer3DModel.from_pretrained(out / "transformer")
         after = pipe.transformer.state_dict()
@@ -289,13 +295,15 @@ def test_sample_latents_runs_the_stock_pipeline_around_the_live_transformer(hv_d
     student = hv_student(hv_dir, hv_data, tmp_path)
     embeds, pooled, mask = hv_pipe.encode_prompt(prompt="a red ball", device=CPU)
     cond = Conditioning(text=embeds, text_mask=mask.long(), pooled_text=pooled)
-    common = dict(height=64, width=64, num_frames=17, num_inference_steps=2, guidance_scale=6.0, shift=7.0)
-    latents = student.sample_latents(hv_pipe.vae, cond, None, generator=torch.Generator().manual_seed(3), **common)
+    common = dict(height=64, width=64, num_frames=17, num_inference_steps=2, guidance_scale=6.0)
+    latents = student.sample_latents(
+        hv_pipe.vae, cond, None, scheduler=sampling_scheduler(7.0), generator=torch.Generator().manual_seed(3), **common
+    )
     assert latents.shape == (1, 16, 5, 8, 8)
     hv_pipe.scheduler = sampling_scheduler(7.0)
     ref = hv_pipe(
         prompt_embeds=embeds, pooled_prompt_embeds=pooled, prompt_attention_mask=mask, output_type="latent",
-        generator=torch.Generator().manual_seed(3), **{k: v for k, v in common.items() if k != "shift"},
+        generator=torch.Generator().manual_seed(3), **common,
     ).frames
     torch.testing.assert_close(latents, ref.float(), rtol=1e-4, atol=1e-5)
 

@@ -244,6 +244,8 @@ def test_forward_is_the_pipelines_transformer_call(hv15_dir, hv15_data, stock_pi
 
 
 def test_sample_latents_are_the_stock_pipelines(hv15_dir, hv15_data, stock_pipe):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
     from fv_accel.models.hunyuan_video_15 import HunyuanVideo15Student
 
     student = student_of(hv15_dir)
@@ -251,7 +253,10 @@ def test_sample_latents_are_the_stock_pipelines(hv15_dir, hv15_data, stock_pipe)
     vae = HunyuanVideo15Student.load_vae(str(hv15_dir))
     kw = dict(height=64, width=64, num_frames=17, num_inference_steps=2)
     with torch.no_grad():
-        ours = student.sample_latents(vae, cond, None, guidance_scale=6.0, shift=5.0, generator=torch.Generator().manual_seed(3), **kw)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(hv15_dir, subfolder="scheduler")
+        ours = student.sample_latents(
+            vae, cond, None, guidance_scale=6.0, scheduler=scheduler, generator=torch.Generator().manual_seed(3), **kw
+        )
         neg = cond.unconditional()
         ref = stock_pipe(
             prompt_embeds=cond.text, prompt_embeds_mask=cond.text_mask, prompt_embeds_2=cond.text_2,

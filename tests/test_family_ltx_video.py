@@ -250,13 +250,16 @@ def test_dfsft_trains_with_per_chunk_timesteps(tmp_path, ltx):
 
 
 def test_sample_latents_run_the_stock_pipeline_around_the_live_transformer(ltx):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
     model, data = ltx
     student, _ = student_and_method(model)
     cond = student.build_conditioning(one_batch(data))
     vae = LTXVideoStudent.load_vae(str(model))
     latents = student.sample_latents(
         vae, cond, cond.unconditional(), height=64, width=64, num_frames=17, num_inference_steps=2,
-        guidance_scale=3.0, shift=1.0, generator=torch.Generator().manual_seed(0),
+        guidance_scale=3.0, scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model, subfolder="scheduler"),
+        generator=torch.Generator().manual_seed(0),
     )
     assert tuple(latents.shape) == (1, 16, 3, 2, 2)
     raw = latents * student.latents_std + student.latents_mean

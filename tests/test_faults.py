@@ -209,7 +209,8 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_as_latest(
     assert resumed.start_step == 2
     summary = Trainer(resumed).run()
     assert summary["final_step"] == 5
-    assert latest_checkpoint(out) == out / "checkpoint-4" and not partial.exists()
+    # Checkpoints at the interval and at the last step.
+    assert (out / "checkpoint-4").is_dir() and latest_checkpoint(out) == out / "checkpoint-5" and not partial.exists()
 
 
 def test_checkpoints_total_limit_keeps_the_newest(tmp_path, latent_data):
@@ -226,10 +227,10 @@ def test_checkpoints_total_limit_keeps_the_newest(tmp_path, latent_data):
     )
     Trainer(build("finetune", over)).run()
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint", ".checkpoint"))) == [
-        "checkpoint-4",
         "checkpoint-5",
+        "checkpoint-6",
     ]
-    assert (out / "latest").read_text().strip() == "checkpoint-5"
+    assert (out / "latest").read_text().strip() == "checkpoint-6"
 
 
 # ---- signals ---------------------------------------------------------------------------------

@@ -207,6 +207,6 @@ def test_estimate_against_a_measured_step(tmp_path, monkeypatch):
     assert est.census.trainable == result["trainable_params"]
     ratio = (est.activations + est.gradients) / 2**30 / measured
     # Measured: 1.08 on an idle machine, 1.32 at load 8-11 on 2 cores, whose runs start from a
-    # larger setup that the step partly reuses (README "Performance"); RSS moves by tens of MB
+    # larger setup that the step partly reuses (docs/performance.md); RSS moves by tens of MB
     # between runs of the same step.
     assert 0.75 <= ratio <= 1.6, (ratio, measured)

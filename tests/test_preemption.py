@@ -187,7 +187,7 @@ def test_slurm_script_forwards_the_time_limit_signal_and_requeues_after_a_clean_
 
 
 def test_torch_elastic_shutdown_timeout_reaches_the_agent_through_accelerate_launch(monkeypatch):
-    """The grace window of plain multi-process `accelerate launch` (README "Preemption"): the
+    """The grace window of plain multi-process `accelerate launch` (docs/checkpoints-and-faults.md, "Preemption"): the
     elastic agent's shutdown timeout comes from TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s without it)."""
     import torch.distributed.run as distrib_run
     from accelerate.commands.launch import _filter_args, launch_command_parser

@@ -233,7 +233,10 @@ class _StopAfter:
 
     def __init__(self, encoder, limit: int):
         self.encoder, self.limit, self.calls = encoder, limit, 0
-        self.vae = encoder.vae
+        self.vae, self.text_max_length = encoder.vae, encoder.text_max_length
+
+    def caption_tokens(self, caption):
+        return self.encoder.caption_tokens(caption)
 
     def encode_video(self, frames):
         self.calls += 1
@@ -366,3 +369,37 @@ def test_preprocessing_shows_a_progress_bar(encoder, tmp_path, capsys):
     assert res.newly_encoded == 8
     bar = capsys.readouterr().err.split("\r")[-1]  # the bar's last state: count, elapsed<ETA, rate
     assert re.search(r"preprocess: 100%.*\| 8/8 \[\d\d:\d\d<00:00, +[\d.]+(clip/s|s/clip)\]", bar), bar
+
+
+def test_a_caption_cut_to_the_text_length_is_counted_and_reported(encoder, tmp_path, caplog):
+    """Issue 28: a 10,000-character caption is embedded as its first 512 tokens; preprocessing says so
+    in its log and in fv_dataset.json (how many, the longest in tokens, the limit)."""
+    import logging
+
+    from PIL import Image
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    for name, k in (("long.png", 0), ("short.png", 1)):
+        Image.fromarray(_clip(k, 1, 32, 32)[0]).save(clips / name)
+    long_caption = " ".join(f"word{i % 97}" for i in range(1400))[:10_000]
+    (clips / "long.txt").write_text(long_caption)
+    (clips / "short.txt").write_text(_caption(1))
+    tokens = len(encoder.tokenizer(long_caption).input_ids)
+    assert tokens > 512
+    with caplog.at_level(logging.WARNING, logger="fv_accel.preprocess"):
+        preprocess("tiny", str(clips), tmp_path / "out", FrameSampling(num_frames=(5,), buckets=((32, 32),)), encoder=encoder, device=CPU)
+    assert (
+        f"1 of 2 caption(s) are longer than the text encoder's 512 tokens and were cut there (the longest: {tokens} tokens; "
+        "first: long.png)"
+    ) in caplog.text
+    info = json.loads((tmp_path / "out" / "fv_dataset.json").read_text())
+    assert info["captions_cut"] == {"captions": 1, "counted": 2, "longest_tokens": tokens, "limit": 512, "first": ["long.png"]}
+    rows = {r["id"]: r for r in _rows(tmp_path / "out")}
+    assert rows["long.png"]["text_embedding_shape"][0] == 512  # what the encoder kept
+    # A rerun reuses both rows without encoding them and reports the same.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fv_accel.preprocess"):
+        again = preprocess("tiny", str(clips), tmp_path / "out", FrameSampling(num_frames=(5,), buckets=((32, 32),)), encoder=encoder, device=CPU)
+    assert again.reused == 2 and "1 of 2 caption(s) are longer" in caplog.text
+    assert json.loads((tmp_path / "out" / "fv_dataset.json").read_text())["captions_cut"] == info["captions_cut"]

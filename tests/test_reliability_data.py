@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -181,7 +180,7 @@ def _phone_clip(path: Path, degrees: int, frames: int = 5) -> Path:
 
 
 def test_rotated_phone_clip_is_turned_upright_before_bucketing(tmp_path, encoder):
-    from fv_accel.data.video import FrameSampling, content_hash, display_quarter_turns, read_clip
+    from fv_accel.data.video import FrameSampling, content_hash, read_clip
     from fv_accel.preprocess import preprocess
 
     sampling = FrameSampling(num_frames=(5,), buckets=((64, 32), (32, 64)))  # portrait and landscape
@@ -193,9 +192,7 @@ def test_rotated_phone_clip_is_turned_upright_before_bucketing(tmp_path, encoder
         assert got.source_size == (64, 32) and got.frames.shape == (5, 64, 32, 3)
         top, bottom = got.frames[:, :28].mean(), got.frames[:, 36:].mean()
         assert (top > 200 and bottom < 50) if bright == "top" else (bottom > 200 and top < 50), (degrees, top, bottom)
-    # The 'rotate' tag of older FFmpeg builds is clockwise degrees.
-    assert display_quarter_turns(SimpleNamespace(rotation=0), SimpleNamespace(metadata={"rotate": "90"})) == 3
-    assert display_quarter_turns(SimpleNamespace(rotation=-90), SimpleNamespace(metadata={})) == 3
+    # (The 'rotate' tag of older FFmpeg builds and mirrored clips: tests/test_reliability_data_links.py.)
 
     clips = tmp_path / "clips"
     clips.mkdir()

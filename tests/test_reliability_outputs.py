@@ -400,13 +400,13 @@ def test_what_a_killed_save_left_is_removed_at_the_next_start(tmp_path, latent_d
 
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory, latent_data):
-    """A run with checkpoints at steps 2 and 4 (EMA on); tests damage copies of it."""
+    """A run with checkpoints at steps 2 and 4, its last (EMA on); tests damage copies of it."""
     out = tmp_path_factory.mktemp("integrity") / "out"
-    over = small_overrides(out, latent_data, **{"training.loop.max_train_steps": 5, "training.checkpoint.training_state_checkpointing_steps": 2})
+    over = small_overrides(out, latent_data, **{"training.loop.max_train_steps": 4, "training.checkpoint.training_state_checkpointing_steps": 2})
     Trainer(build("finetune", over)).run()
     reset_accelerate()
     meta = read_metadata(out / "checkpoint-4")
-    assert meta["format_version"] == 2
+    assert meta["format_version"] == 3
     assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "fv_rank_0.safetensors", "ema.safetensors"} <= set(meta["files"])
     return out, over
 
@@ -425,14 +425,25 @@ def _flip_a_bit(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _edit_metadata(path: Path, **changes) -> None:
+def _edit_metadata(path: Path, *, reseal: bool = False, **changes) -> None:
+    """Change metadata.json's keys (None deletes one); `reseal` records the new contents' sha256 in it,
+    as a save that wrote wrong values would have."""
     meta = json.loads(path.read_text())
     for key, value in changes.items():
         if value is None:
             del meta[key]
         else:
             meta[key] = value
+    if reseal:
+        from fv_accel.checkpoint import METADATA_CHECKSUM_KEY, metadata_checksum
+
+        meta[METADATA_CHECKSUM_KEY] = metadata_checksum(meta)
     path.write_text(json.dumps(meta))
+
+
+def _edit_data_epoch(path: Path) -> None:
+    meta = json.loads(path.read_text())
+    _edit_metadata(path, data={**meta["data"], "epoch": meta["data"]["epoch"] + 1})
 
 
 @pytest.mark.parametrize(
@@ -452,8 +463,12 @@ def _edit_metadata(path: Path, **changes) -> None:
          "{c4}/metadata.json: step 2, but the folder is checkpoint-4 (step 4)"),
         (lambda out: (out / "checkpoint-4" / "metadata.json").unlink(),
          "{c4}: no metadata.json; not a complete fv_accel checkpoint"),
+        # Issue 31: the data position is in metadata.json, which records the sha256 of its own contents.
+        (lambda out: _edit_data_epoch(out / "checkpoint-4" / "metadata.json"),
+         "{c4}/metadata.json: its contents differ from the sha256 recorded in it ('metadata_sha256'): the file was "
+         "edited after it was saved (its data position, recipe or file list cannot be trusted)"),
     ],
-    ids=["bit_flip", "truncated", "rank_state_deleted", "ema_deleted", "no_data_key", "step_edited", "no_metadata"],
+    ids=["bit_flip", "truncated", "rank_state_deleted", "ema_deleted", "no_data_key", "step_edited", "no_metadata", "data_epoch_edited"],
 )
 def test_a_damaged_latest_checkpoint_is_refused_naming_the_file_and_the_previous_good_one(
     two_checkpoints, tmp_path, damage, problem, capsys
@@ -489,7 +504,7 @@ def test_a_damaged_first_checkpoint_and_an_edited_step_in_a_renamed_copy(two_che
     # A copy under another name can only be checked against its own state: the LR schedule's step count.
     renamed = tmp_path / "kept"
     shutil.copytree(out / "checkpoint-4", renamed)
-    _edit_metadata(renamed / "metadata.json", step=5)
+    _edit_metadata(renamed / "metadata.json", step=5, reseal=True)  # unsealed, the checksum refuses it first
     with pytest.raises(CheckpointError) as err:
         build("finetune", {**over, "training.checkpoint.resume_from_checkpoint": str(renamed),
                            "training.checkpoint.output_dir": str(tmp_path / "new")})
@@ -526,7 +541,7 @@ def test_a_checkpoint_of_the_previous_format_resumes_unverified_with_its_per_ran
         save_file(rank, str(ckpt / "fv_rank_0.safetensors"), metadata=strings)
         (ckpt / "ema.safetensors").unlink()
         meta = json.loads((ckpt / "metadata.json").read_text())
-        del meta["files"], meta["optimizer"]
+        del meta["files"], meta["optimizer"], meta["metadata_sha256"], meta["engine"], meta["data_fingerprint"]
         meta["format_version"] = 1
         (ckpt / "metadata.json").write_text(json.dumps(meta))
 
@@ -559,7 +574,7 @@ def test_export_defaults_to_the_runs_exports_folder_which_pruning_keeps(tmp_path
         export_main([str(out / "checkpoint-2"), "--to", "diffusers", "--out", str(out / "checkpoint-2" / "mine")])
     # Training on with a limit of 1 checkpoint deletes checkpoint-2, not the export.
     Trainer(build("finetune", {**over, "training.loop.max_train_steps": 5, "training.checkpoint.resume_from_checkpoint": "latest"})).run()
-    assert not (out / "checkpoint-2").exists() and (out / "checkpoint-4").is_dir()
+    assert not (out / "checkpoint-2").exists() and (out / "checkpoint-5").is_dir()
     assert (target / "diffusion_pytorch_model.safetensors").is_file()
     capsys.readouterr()
     export_main([str(out), "--to", "diffusers"])

@@ -113,10 +113,10 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, latent_data, method, ext
 
 @pytest.fixture(scope="module")
 def dfsft_checkpoint(tmp_path_factory, latent_data):
-    """A DFSFT run of 3 steps with a checkpoint at step 2 (chunk 3, shift 3)."""
+    """A DFSFT run of 2 steps with its checkpoint at step 2, the last (chunk 3, shift 3)."""
     out = tmp_path_factory.mktemp("dfsft_run") / "out"
     over = small_overrides(
-        out, latent_data, **{"training.loop.max_train_steps": 3, "training.checkpoint.training_state_checkpointing_steps": 2}
+        out, latent_data, **{"training.loop.max_train_steps": 2, "training.checkpoint.training_state_checkpointing_steps": 2}
     )
     run = build("dfsft", over)
     Trainer(run).run()
@@ -155,7 +155,7 @@ def test_resume_warns_on_a_longer_schedule_and_can_be_forced(dfsft_checkpoint, c
     with caplog.at_level(logging.WARNING, logger="fv_accel.checkpoint"):
         run = build("dfsft", over)
     assert run.start_step == 2
-    assert "training.loop.max_train_steps: 3 in the checkpoint, 4 now" in caplog.text
+    assert "training.loop.max_train_steps: 2 in the checkpoint, 4 now" in caplog.text
     caplog.clear()
     forced = {**over, "models.student.flow_shift": 5.0, "training.checkpoint.allow_recipe_change": True}
     with caplog.at_level(logging.WARNING, logger="fv_accel.checkpoint"):

@@ -348,7 +348,7 @@ def test_df_sampler_with_one_chunk_equals_wan_pipeline(tiny_data_path):
     from diffusers import WanTransformer3DModel
 
     from fv_accel.config import default_recipe, load_config
-    from fv_accel.sampling import sample_diffusion_forcing, sample_wan_pipeline
+    from fv_accel.sampling import sample_diffusion_forcing, sample_wan_pipeline, sampling_scheduler
 
     torch.manual_seed(0)
     cfg = load_config(default_recipe("finetune"))
@@ -368,7 +368,7 @@ def test_df_sampler_with_one_chunk_equals_wan_pipeline(tiny_data_path):
                                         guidance_scale=3.0, negative_text=negative, ar_step=0)
         stock = sample_wan_pipeline(transformer, tiny_vae(tiny_data_path), text, negative_prompt_embeds=negative,
                                     height=32, width=32, num_frames=9, num_inference_steps=4, guidance_scale=3.0,
-                                    shift=5.0, generator=torch.Generator().manual_seed(11))
+                                    scheduler=sampling_scheduler(5.0), generator=torch.Generator().manual_seed(11))
     assert stock.shape == ours.shape == (1, 16, 3, 4, 4)
     torch.testing.assert_close(ours, stock, atol=1e-5, rtol=1e-5)
     assert (ours - noise).abs().mean() > 0.1  # it did denoise

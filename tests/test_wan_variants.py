@@ -78,6 +78,15 @@ def test_lora_finetune_loads_into_the_stock_pipeline_and_changes_its_weights(tmp
     assert changed, f"the LoRA changed no attention weight of {target}"
     if before_other is not None:
         assert all(torch.equal(v, getattr(pipe, other).state_dict()[k]) for k, v in before_other.items())
+    if target == "transformer_2":
+        # A low-noise expert's merged export: its LoRA on the base's low-noise expert, as transformer_2/.
+        from diffusers import WanTransformer3DModel
+
+        from fv_accel.export import main as export_main
+
+        export_main([str(lora_dir), "--to", "merged", "--out", str(tmp_path / "merged")])
+        merged = WanTransformer3DModel.from_pretrained(tmp_path / "merged", subfolder="transformer_2")
+        assert max(float((v - after[k]).abs().max()) for k, v in merged.state_dict().items()) <= 1e-6
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -211,21 +220,66 @@ def test_both_experts_route_each_sample_and_frame_and_leave_the_other_expert_unt
     assert any(not torch.equal(v, pair.high.state_dict()[k]) for k, v in high_before.items())
 
 
-def test_both_experts_lora_run_writes_one_file_per_expert_that_diffusers_loads(tmp_path, variant_dirs):
-    model, data = variant_dirs["wan22_t2v_a14b"]
-    over = overrides(tmp_path, model, data, "x", **{"models.student.lora.enable": True, "models.student.expert": "both",
-                                                      "training.data.train_batch_size": 2})
-    over["training.data.data_path"] = str(data)
-    Trainer(build_from_config(default_recipe("finetune"), over)).run()
-    out = tmp_path / "out"
+def fused_by_diffusers(model: Path, lora_dir: Path):
+    """The stock pipeline of `model` with the two experts' LoRA files of `lora_dir` loaded by diffusers
+    (`pytorch_lora_weights.safetensors` into transformer, `..._transformer_2` into transformer_2) and fused."""
     pipe = load_stock_pipeline(model)
-    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (pipe.transformer, pipe.transformer_2)]
-    pipe.load_lora_weights(str(out), adapter_name="high")
+    pipe.load_lora_weights(str(lora_dir), adapter_name="high")
     pipe.load_lora_weights(
-        str(out), weight_name="pytorch_lora_weights_transformer_2.safetensors", adapter_name="low",
+        str(lora_dir), weight_name="pytorch_lora_weights_transformer_2.safetensors", adapter_name="low",
         load_into_transformer_2=True,
     )
     pipe.fuse_lora(components=["transformer", "transformer_2"], lora_scale=1.0)
     pipe.unload_lora_weights()
-    for module, old in zip((pipe.transformer, pipe.transformer_2), before):
+    return pipe
+
+
+def test_both_experts_lora_run_writes_one_file_per_expert_that_diffusers_loads(tmp_path, variant_dirs):
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    from fv_accel.export import main as export_main
+    from fv_accel.models.lora import read_lora_file
+
+    model, data = variant_dirs["wan22_t2v_a14b"]
+    over = overrides(tmp_path, model, data, "x", **{"models.student.lora.enable": True, "models.student.expert": "both",
+                                                      "training.data.train_batch_size": 2,
+                                                      "training.checkpoint.training_state_checkpointing_steps": 1})
+    over["training.data.data_path"] = str(data)
+    Trainer(build_from_config(default_recipe("finetune"), over)).run()
+    out = tmp_path / "out"
+    base = load_stock_pipeline(model)
+    pipe = fused_by_diffusers(model, out)
+    for module, old in zip((pipe.transformer, pipe.transformer_2), (base.transformer, base.transformer_2)):
+        old = old.state_dict()
         assert any(not torch.equal(v, module.state_dict()[k]) for k, v in old.items() if "to_q.weight" in k)
+
+    # `python -m fv_accel.export` exports both experts: one ComfyUI file each (the files training
+    # wrote) and both merged transformers in the repo's layout, from the run's two LoRA files and
+    # from a checkpoint's one (keys prefixed by the expert).
+    export_main([str(out), "--to", "comfyui", "--out", str(tmp_path / "comfy")])
+    assert sorted(p.name for p in (tmp_path / "comfy").iterdir()) == [
+        "pytorch_lora_weights_comfyui_high_noise.safetensors", "pytorch_lora_weights_comfyui_low_noise.safetensors"
+    ]
+    for expert, trained in (("high_noise", ""), ("low_noise", "_transformer_2")):
+        exported = load_file(str(tmp_path / "comfy" / f"pytorch_lora_weights_comfyui_{expert}.safetensors"))
+        written = load_file(str(out / f"pytorch_lora_weights_comfyui{trained}.safetensors"))
+        assert exported.keys() == written.keys() and all(torch.equal(exported[k], written[k]) for k in written)
+    # A checkpoint's one file (keys prefixed by the expert) exports as the run's two diffusers files.
+    state, _ = read_lora_file(out / "checkpoint-1" / "pytorch_lora_weights.safetensors")
+    assert {k.split(".")[0] for k in state} == {"high_noise", "low_noise"}
+    export_main([str(out / "checkpoint-1"), "--to", "diffusers", "--out", str(tmp_path / "ckpt_lora")])
+    for expert, name in (("high_noise", ""), ("low_noise", "_transformer_2")):
+        part, _ = read_lora_file(tmp_path / "ckpt_lora" / f"pytorch_lora_weights{name}.safetensors")
+        assert len(part) == len(state) // 2 and all(torch.equal(v, state[f"{expert}.{k}"]) for k, v in part.items())
+    for source, reference in ((out, pipe), (out / "checkpoint-1", fused_by_diffusers(model, tmp_path / "ckpt_lora"))):
+        dest = tmp_path / f"merged_{source.name}"
+        export_main([str(source), "--to", "merged", "--out", str(dest)])
+        merged = WanPipeline.from_pretrained(
+            str(model), transformer=WanTransformer3DModel.from_pretrained(dest, subfolder="transformer"),
+            transformer_2=WanTransformer3DModel.from_pretrained(dest, subfolder="transformer_2"),
+        )
+        for fused, loaded in ((reference.transformer, merged.transformer), (reference.transformer_2, merged.transformer_2)):
+            expected = fused.state_dict()
+            assert max(float((v - expected[k]).abs().max()) for k, v in loaded.state_dict().items()) <= 1e-6
+    assert not torch.equal(merged.transformer.blocks[0].attn1.to_q.weight, pipe.transformer.blocks[0].attn1.to_q.weight)

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 VIDEO_EXTENSIONS = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v", ".gif", ".mpg", ".mpeg", ".ts")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -109,8 +113,9 @@ class ClipFrames:
     frames: np.ndarray  # uint8 [F, H, W, 3]
     fps: float  # of the sampled frames
     source_frames: int
-    source_size: tuple[int, int]  # (height, width) as shown (display rotation applied)
+    source_size: tuple[int, int]  # (height, width) as shown (display matrix applied)
     start: int
+    orientation: tuple[str, ...] = ()  # the steps that showed it as its display matrix asks
 
 
 def _open(source: Union[str, Path, bytes]):
@@ -122,13 +127,35 @@ def _open(source: Union[str, Path, bytes]):
         raise ClipError("unreadable", f"cannot open the file ({err.__class__.__name__}: {err})") from None
 
 
-def _count_frames(container, stream) -> int:
-    if stream.frames and stream.frames > 0:
-        return int(stream.frames)
-    # Some containers (webm, gif) do not record the count: count the packets instead (no decoding).
+def _count_packets(container, stream) -> int:
+    """Frames of the stream counted by its packets (read to the end, not decoded), then back to the start."""
     count = sum(1 for packet in container.demux(stream) if packet.size)
     container.seek(0)
     return count
+
+
+def _sample_clip(container, stream, name: str, sampling: FrameSampling, src_fps: float, seed: int) -> tuple[int, list[int], float, int]:
+    """(frame count, source indices, fps of the result, start) of a video clip. The count is the
+    header's where it records one; a header count too short for the longest frame count asked for
+    is checked against the stream's packets, so a container that under-reports its frames loses
+    no frames it holds."""
+    header = int(stream.frames) if stream.frames and stream.frames > 0 else 0
+    # Some containers (webm, gif) do not record the count: count the packets instead (no decoding).
+    count = header or _count_packets(container, stream)
+    if header and header < source_span(max(sampling.num_frames), src_fps, sampling):
+        counted = _count_packets(container, stream)
+        if counted > header:
+            logger.info("%s: the header announces %d frame(s), the stream holds %d: reading %d", name, header, counted, counted)
+            count = counted
+    if count < 1:
+        raise ClipError("unreadable", "the video stream holds no frames")
+    return (count, *sample_indices(count, src_fps, sampling, seed, False))
+
+
+def source_span(num_frames: int, src_fps: float, sampling: FrameSampling) -> int:
+    """Source frames that `num_frames` sampled frames cover (stride or target_fps)."""
+    step = src_fps / sampling.target_fps if sampling.target_fps else float(sampling.frame_stride)
+    return math.floor((num_frames - 1) * step + 1e-9) + 1
 
 
 def sample_indices(count: int, src_fps: float, sampling: FrameSampling, content_seed: int, image: bool) -> tuple[list[int], float, int]:
@@ -136,14 +163,14 @@ def sample_indices(count: int, src_fps: float, sampling: FrameSampling, content_
     if image:
         return [0], 0.0, 0
     step = src_fps / sampling.target_fps if sampling.target_fps else float(sampling.frame_stride)
-    fitting = [n for n in sorted(sampling.num_frames) if math.floor((n - 1) * step + 1e-9) + 1 <= count]
+    fitting = [n for n in sorted(sampling.num_frames) if source_span(n, src_fps, sampling) <= count]
     if not fitting:
         need = min(sampling.num_frames)
-        span = math.floor((need - 1) * step + 1e-9) + 1
+        span = source_span(need, src_fps, sampling)
         how = f"at {sampling.target_fps:g} fps" if sampling.target_fps else f"with stride {sampling.frame_stride}"
         raise ClipError("too_short", f"{count} frame(s); {need} frames {how} need {span} source frames")
     n = fitting[-1]
-    span = math.floor((n - 1) * step + 1e-9) + 1
+    span = source_span(n, src_fps, sampling)
     start = 0
     if sampling.start == "uniform" and count > span:
         start = int(np.random.default_rng([sampling.seed, content_seed]).integers(0, count - span + 1))
@@ -151,21 +178,139 @@ def sample_indices(count: int, src_fps: float, sampling: FrameSampling, content_
     return indices, src_fps / step, start
 
 
-def display_quarter_turns(frame, stream) -> int:
-    """Counter-clockwise quarter turns (0-3) that show a decoded frame upright: from the display
-    matrix side data (`VideoFrame.rotation`, counter-clockwise degrees), else from the stream's
-    `rotate` tag that older FFmpeg builds set (clockwise degrees)."""
-    degrees = float(getattr(frame, "rotation", 0) or 0)
+# Display orientation, decided as FFmpeg's autorotation decides it (fftools' input filters): the
+# rotation angle read from the display matrix picks a transpose, a 180-degree mirror pair or a
+# vertical flip, and the signs of the matrix's entries say which mirror comes with it. The names
+# are the FFmpeg filters' (transpose=clock|cclock|clock_flip|cclock_flip, hflip, vflip).
+ORIENTATION_STEPS = {
+    "clock": "turned 90 degrees clockwise",
+    "cclock": "turned 90 degrees counter-clockwise",
+    "clock_flip": "turned 90 degrees clockwise and flipped upside down",
+    "cclock_flip": "turned 90 degrees counter-clockwise and flipped upside down",
+    "hflip": "mirrored left-right",
+    "vflip": "flipped upside down",
+}
+TRANSPOSING_STEPS = ("clock", "cclock", "clock_flip", "cclock_flip")
+
+
+def _c_round(x: float) -> float:
+    """C's round(): halves away from zero (Python's round() takes halves to even)."""
+    return math.copysign(math.floor(abs(x) + 0.5), x)
+
+
+def display_matrix(frame, stream) -> Optional[tuple[int, ...]]:
+    """The 3x3 display matrix (9 ints, FFmpeg's layout: a b u / c d v / x y w) of a decoded frame's
+    side data, else one made from the stream's `rotate` tag that older FFmpeg builds set (clockwise
+    degrees), else None."""
+    for data in getattr(frame, "side_data", None) or ():
+        if getattr(data.type, "name", "") == "DISPLAYMATRIX" and len(bytes(data)) >= 36:
+            return struct.unpack("=9i", bytes(data)[:36])
+    try:
+        degrees = float((getattr(stream, "metadata", None) or {}).get("rotate", 0) or 0)
+    except (TypeError, ValueError):
+        return None
     if not degrees:
-        try:
-            degrees = -float((stream.metadata or {}).get("rotate", 0) or 0)
-        except (TypeError, ValueError):
-            degrees = 0.0
-    return int(round(degrees / 90.0)) % 4
+        return None
+    # As av_display_rotation_set does for a clockwise angle (16.16 fixed point).
+    radians = -math.radians(degrees)
+    cos, sin = round(math.cos(radians) * 65536), round(math.sin(radians) * 65536)
+    return (cos, -sin, 0, sin, cos, 0, 0, 0, 1 << 30)
+
+
+def display_orientation(matrix: Optional[Sequence[int]]) -> tuple[str, ...]:
+    """The steps (keys of ORIENTATION_STEPS, in order) that show a frame as its display matrix asks,
+    chosen as FFmpeg's autorotation chooses them. A matrix that turns the picture by an angle other
+    than a multiple of 90 degrees raises ClipError."""
+    if matrix is None:
+        return ()
+    a, b, c, d = matrix[0], matrix[1], matrix[3], matrix[4]
+    scale_x, scale_y = math.hypot(a, c), math.hypot(b, d)
+    if not scale_x or not scale_y:  # a singular matrix has no angle: only the vertical flip applies
+        return ("vflip",) if d < 0 else ()
+    # The clockwise angle: the negated, rounded counter-clockwise angle of av_display_rotation_get,
+    # taken into [0, 360) (an angle just under 360 counts as 0).
+    theta = _c_round(math.degrees(math.atan2(b / scale_y, a / scale_x)))
+    theta -= 360 * math.floor(theta / 360 + 0.9 / 360)
+    if abs(theta - 90) < 1:
+        return ("cclock_flip",) if c > 0 else ("clock",)
+    if abs(theta - 180) < 1:
+        return tuple(step for step, mirrored in (("hflip", a < 0), ("vflip", d < 0)) if mirrored)
+    if abs(theta - 270) < 1:
+        return ("clock_flip",) if c < 0 else ("cclock",)
+    if abs(theta) > 1:
+        raise ClipError(
+            "unsupported_rotation",
+            f"the display matrix turns the picture {theta:g} degrees clockwise; only quarter turns and mirrors are applied",
+        )
+    return ("vflip",) if d < 0 else ()
+
+
+def orient(picture: np.ndarray, steps: Sequence[str]) -> np.ndarray:
+    """Apply orientation steps to an [H, W, C] picture (the pixel permutations FFmpeg's filters make)."""
+    for step in steps:
+        if step == "clock":
+            picture = np.rot90(picture, k=-1)
+        elif step == "cclock":
+            picture = np.rot90(picture, k=1)
+        elif step == "cclock_flip":  # the transpose proper: column j becomes row j
+            picture = picture.transpose(1, 0, 2)
+        elif step == "clock_flip":  # the transpose about the other diagonal
+            picture = np.rot90(picture, k=2).transpose(1, 0, 2)
+        elif step == "hflip":
+            picture = picture[:, ::-1]
+        elif step == "vflip":
+            picture = picture[::-1]
+        else:
+            raise ValueError(f"unknown orientation step {step!r}")
+    return picture
+
+
+def describe_orientation(steps: Sequence[str]) -> str:
+    """In words: 'mirrored left-right', 'turned 180 degrees', ..."""
+    if tuple(steps) == ("hflip", "vflip"):
+        return "turned 180 degrees"
+    return ", then ".join(ORIENTATION_STEPS[s] for s in steps)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How a clip's decoded frames become bucket-sized pictures as shown."""
+
+    steps: tuple[str, ...]  # orientation steps (ORIENTATION_STEPS), in order
+    shown: tuple[int, int]  # (height, width) as shown
+    bucket: tuple[int, int]  # (height, width)
+    stored: tuple[int, int]  # (width, height) the decoded frame is resized to, before orientation
+    top: int
+    left: int
+    interpolation: str
+
+
+def _layout(frame, stream, name: str, src_h: int, src_w: int, buckets: Sequence[tuple[int, int]]) -> _Layout:
+    """The layout for a clip from its first decoded frame. The bucket is chosen for the picture as
+    it is shown: a phone clip stored landscape with a display rotation of -90 degrees is portrait."""
+    steps = display_orientation(display_matrix(frame, stream))
+    if steps:
+        logger.info("%s: shown as its display matrix asks: %s (%s, as FFmpeg autorotates)", name, describe_orientation(steps), "+".join(steps))
+    transposed = sum(step in TRANSPOSING_STEPS for step in steps) % 2 == 1
+    shown_h, shown_w = (src_w, src_h) if transposed else (src_h, src_w)
+    bucket_h, bucket_w = nearest_bucket(shown_h, shown_w, buckets)
+    scale = max(bucket_h / shown_h, bucket_w / shown_w)
+    resized_h = max(bucket_h, round(shown_h * scale))
+    resized_w = max(bucket_w, round(shown_w * scale))
+    return _Layout(
+        steps=steps,
+        shown=(shown_h, shown_w),
+        bucket=(bucket_h, bucket_w),
+        stored=(resized_h, resized_w) if transposed else (resized_w, resized_h),
+        top=(resized_h - bucket_h) // 2,
+        left=(resized_w - bucket_w) // 2,
+        interpolation="AREA" if scale < 1 else "BICUBIC",
+    )
 
 
 def read_clip(source: Union[str, Path, bytes], name: str, sampling: FrameSampling, content_hash: str) -> ClipFrames:
-    """Decode the frames a clip contributes, resized and centre-cropped to its nearest bucket."""
+    """Decode the frames a clip contributes, shown as its display matrix asks, resized and
+    centre-cropped to its nearest bucket."""
     import av
 
     container = _open(source)
@@ -182,37 +327,29 @@ def read_clip(source: Union[str, Path, bytes], name: str, sampling: FrameSamplin
         src_fps = float(rate) if rate else 0.0
         if not image and src_fps <= 0 and sampling.target_fps:
             raise ClipError("unreadable", "the video stream has no frame rate; cannot sample at target_fps")
-        count = 1 if image else _count_frames(container, stream)
-        if count < 1:
-            raise ClipError("unreadable", "the video stream holds no frames")
-        indices, fps, start = sample_indices(count, src_fps or 1.0, sampling, int(content_hash[:15], 16), image)
+        if image:
+            count, (indices, fps, start) = 1, sample_indices(1, src_fps or 1.0, sampling, 0, True)
+        else:
+            count, indices, fps, start = _sample_clip(container, stream, name, sampling, src_fps or 1.0, int(content_hash[:15], 16))
         wanted: dict[int, list[int]] = {}
         for pos, idx in enumerate(indices):
             wanted.setdefault(idx, []).append(pos)
         out: Optional[np.ndarray] = None
+        layout: Optional[_Layout] = None
         filled = 0
         last = max(indices)
         decoded = 0
         try:
             for i, frame in enumerate(container.decode(stream)):
                 decoded = i + 1
-                if out is None:
-                    # The bucket is chosen for the picture as it is shown: a phone clip stored
-                    # landscape with a display rotation of -90 degrees is portrait.
-                    turns = display_quarter_turns(frame, stream)
-                    shown_h, shown_w = (src_w, src_h) if turns % 2 else (src_h, src_w)
-                    bucket_h, bucket_w = nearest_bucket(shown_h, shown_w, sampling.buckets)
-                    scale = max(bucket_h / shown_h, bucket_w / shown_w)
-                    resized_h = max(bucket_h, round(shown_h * scale))
-                    resized_w = max(bucket_w, round(shown_w * scale))
-                    interpolation = "AREA" if scale < 1 else "BICUBIC"
-                    top, left = (resized_h - bucket_h) // 2, (resized_w - bucket_w) // 2
-                    stored_w, stored_h = (resized_h, resized_w) if turns % 2 else (resized_w, resized_h)
-                    out = np.empty((len(indices), bucket_h, bucket_w, 3), dtype=np.uint8)
+                if layout is None:
+                    layout = _layout(frame, stream, name, src_h, src_w, sampling.buckets)
+                    out = np.empty((len(indices), *layout.bucket, 3), dtype=np.uint8)
                 if i in wanted:
-                    rgb = frame.reformat(width=stored_w, height=stored_h, format="rgb24", interpolation=interpolation)
-                    shown = np.rot90(rgb.to_ndarray(), k=turns) if turns else rgb.to_ndarray()
-                    crop = shown[top : top + bucket_h, left : left + bucket_w]
+                    width, height = layout.stored
+                    rgb = frame.reformat(width=width, height=height, format="rgb24", interpolation=layout.interpolation)
+                    shown = orient(rgb.to_ndarray(), layout.steps)
+                    crop = shown[layout.top : layout.top + layout.bucket[0], layout.left : layout.left + layout.bucket[1]]
                     for pos in wanted[i]:
                         out[pos] = crop
                         filled += 1
@@ -226,7 +363,7 @@ def read_clip(source: Union[str, Path, bytes], name: str, sampling: FrameSamplin
             raise ClipError(
                 "truncated", f"the file ends after {decoded} decodable frame(s); its header announces {count}"
             )
-        return ClipFrames(frames=out, fps=fps, source_frames=count, source_size=(shown_h, shown_w), start=start)
+        return ClipFrames(frames=out, fps=fps, source_frames=count, source_size=layout.shown, start=start, orientation=layout.steps)
     finally:
         container.close()
 

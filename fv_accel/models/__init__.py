@@ -46,15 +46,33 @@ def family_of(cfg) -> type:
                 return family
         raise ValueError(f"models.student.model_class {st.model_class!r} belongs to no registered family")
     if st.init_from is None:
-        return WanStudent
+        return _family_of_inline_config(st.transformer_config or {})
     config = fetch_config(st.init_from, st.subfolder or None, revision=st.revision, required=True)
     class_name = config.get("_class_name")
     family = family_for_class_name(class_name)
     if family is None:
         supported = sorted(n for f in FAMILIES.values() for n in f.transformer_class_names())
         raise ModelLoadError(
-            f"model '{st.init_from}': transformer class {class_name!r} is not supported; "
-            f"supported: {', '.join(supported)} (or set models.student.model_class)"
+            f"model '{st.init_from}': {st.subfolder or '.'}/config.json names transformer class {class_name!r} "
+            f"(_class_name), which is not supported; supported: {', '.join(supported)} (or set models.student.model_class)"
+        )
+    return family
+
+
+def _family_of_inline_config(config: dict) -> type:
+    """The family an inline `transformer_config` belongs to: the one whose class its `_class_name`
+    names (a pasted config.json), else the Wan family."""
+    class_name = config.get("_class_name")
+    if class_name is None:
+        return WanStudent
+    family = family_for_class_name(class_name)
+    if family is None:
+        from fv_accel.config import ConfigError
+
+        supported = sorted(n for f in FAMILIES.values() for n in f.transformer_class_names())
+        raise ConfigError(
+            f"models.student.transformer_config._class_name: {class_name!r} is not a transformer class fv_accel "
+            f"trains; supported: {', '.join(supported)} (or remove the key: an inline config builds a Wan transformer)"
         )
     return family
 

@@ -11,7 +11,7 @@ methods (fv_accel/methods/), the flow-matching table to the scheduler adapter (f
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
@@ -151,6 +151,19 @@ class ModelBase:
     def comfyui_module_name(cls, module: str) -> str:
         """diffusers module name -> the name ComfyUI's LoRA files use for this family."""
         raise ValueError(f"the {cls.family} family has no ComfyUI LoRA layout (module {module!r})")
+
+    @classmethod
+    def comfyui_lora_state(
+        cls, state: dict[str, torch.Tensor], metadata: Optional[dict], transformer_config: Callable[[], dict]
+    ) -> Optional[dict[str, torch.Tensor]]:
+        """A diffusers-keyed LoRA (`state`, adapter `metadata`) in ComfyUI's layout, or None where
+        ComfyUI has none for the family. `transformer_config()` reads the base transformer's
+        config, for a family whose layout needs it."""
+        if not cls.comfyui_lora:
+            return None
+        from fv_accel.models.lora import to_comfyui
+
+        return to_comfyui(state, metadata, cls.comfyui_module_name)
 
     @classmethod
     def pipeline_prompt(cls, caption: str) -> str:

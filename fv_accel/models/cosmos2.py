@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from diffusers import CosmosTransformer3DModel
 
 from fv_accel.models.base import Capabilities, Conditioning, register_family
-from fv_accel.models.encoders import TEXT, EncodingSpec, FamilyEncoder
+from fv_accel.models.encoders import TEXT, TEXT_MAX_LENGTH, EncodingSpec, FamilyEncoder
 from fv_accel.models.student import DiffusersStudent
 
 
@@ -224,6 +224,8 @@ def cosmos2_original_module_name(module: str) -> str:
 class Cosmos2Encoder(FamilyEncoder):
     """The Wan 2.1 VAE and T5 encoder of a Cosmos-Predict2 repo, in eval mode, no grad."""
 
+    text_max_length = TEXT_MAX_LENGTH  # the pipeline's max_sequence_length
+
     def __init__(self, model: str, *, device=None, dtype=torch.float32, revision=None, vae_tiling=False, spec=None):
         from transformers import T5EncoderModel
 
@@ -249,8 +251,6 @@ class Cosmos2Encoder(FamilyEncoder):
     def encode_caption(self, caption: str) -> dict[str, torch.Tensor]:
         """The T5 hidden states of the caption's real tokens, as the pipeline's `_get_t5_prompt_embeds`
         computes them (512-token padding, attention mask; the padded rows, zeros there, are the loader's)."""
-        from fv_accel.models.encoders import TEXT_MAX_LENGTH
-
         tok = self.tokenizer(
             [caption], padding="max_length", max_length=TEXT_MAX_LENGTH, truncation=True, return_tensors="pt"
         )
@@ -392,21 +392,19 @@ class Cosmos2Student(DiffusersStudent):
         num_frames: int,
         num_inference_steps: int,
         guidance_scale: float,
-        shift: float,
+        scheduler: Any,
         generator: torch.Generator,
         first_frame: Optional[Any] = None,
     ) -> Optional[torch.Tensor]:
         """A sample through Cosmos2VideoToWorldPipeline around the live transformer, from
-        `first_frame` (uint8 [H, W, 3]); returns the normalised latents. The pipeline samples on its
-        own schedule (Karras EDM sigmas, the repo's scheduler config): `shift` does not apply. Its
-        safety checker is the pass-through stand-in, never consulted on this path (precomputed
-        prompt embeddings, latents out)."""
+        `first_frame` (uint8 [H, W, 3]), stepping with `scheduler` (by default the repo's: Karras EDM
+        sigmas); returns the normalised latents. Its safety checker is the pass-through stand-in,
+        never consulted on this path (precomputed prompt embeddings, latents out)."""
         from diffusers import Cosmos2VideoToWorldPipeline
         from PIL import Image
 
         from fv_accel.sampling import pipeline_latents
 
-        del shift
         if first_frame is None:
             raise ValueError("a Cosmos-Predict2 Video2World sample needs a first frame")
         pipe = Cosmos2VideoToWorldPipeline(
@@ -414,7 +412,7 @@ class Cosmos2Student(DiffusersStudent):
             tokenizer=None,
             transformer=self.transformer,
             vae=vae,
-            scheduler=self.sampling_scheduler(),
+            scheduler=scheduler,
             safety_checker=PassThroughSafetyChecker(),
         )
         return pipeline_latents(
@@ -430,10 +428,8 @@ class Cosmos2Student(DiffusersStudent):
             image=Image.fromarray(np.asarray(first_frame, dtype=np.uint8)),
         )
 
-    def sampling_scheduler(self) -> Any:
-        """The repo's scheduler (an inline config: the one diffusers' conversion writes)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        if self.scheduler_config is not None:
-            return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
-        return FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True)
+    @classmethod
+    def default_scheduler_config(cls) -> dict:
+        """The scheduler diffusers' Cosmos-Predict2 conversion writes (Karras EDM sigmas), for a
+        model folder without one."""
+        return {"_class_name": "FlowMatchEulerDiscreteScheduler", "use_karras_sigmas": True}

@@ -312,6 +312,20 @@ class HunyuanVideoStudent(DiffusersStudent):
     def comfyui_module_name(cls, module: str) -> str:
         return hunyuan_comfyui_module_name(module)
 
+    @classmethod
+    def comfyui_lora_state(
+        cls, state: dict[str, torch.Tensor], metadata: Optional[dict], transformer_config: Any
+    ) -> Optional[dict[str, torch.Tensor]]:
+        """The adapter in the original HunyuanVideo layout (`hunyuan_comfyui_lora`); the fused
+        single-block layer's MLP width comes from the base transformer's config."""
+        from fv_accel.models.lora import alpha_by_module
+
+        if metadata is None or metadata.get("use_rslora") or metadata.get("use_dora"):
+            raise ValueError("rsLoRA/DoRA adapters and files without adapter metadata (alpha unknown) have no ComfyUI layout here")
+        config = transformer_config()
+        mlp_width = int(config["num_attention_heads"] * config["attention_head_dim"] * config["mlp_ratio"])
+        return hunyuan_comfyui_lora(state, alpha_by_module(state, metadata), mlp_width=mlp_width)
+
     # ---- preprocessing / validation ----
     @classmethod
     def encoding_spec(cls, model: str, revision: Optional[str] = None):
@@ -429,16 +443,17 @@ class HunyuanVideoStudent(DiffusersStudent):
         num_frames: int,
         num_inference_steps: int,
         guidance_scale: float,
-        shift: float,
+        scheduler: Any,
         generator: torch.Generator,
         first_frame: Any = None,
     ) -> Optional[torch.Tensor]:
         """Normalised latents [1, 16, T, h, w] from the stock HunyuanVideoPipeline around the live
-        transformer, prompt embeddings precomputed (no text encoders loaded). `guidance_scale` is the
-        pipeline's: the embedded guidance; `negative` is not used (no true classifier-free pass)."""
+        transformer with `scheduler`, prompt embeddings precomputed (no text encoders loaded).
+        `guidance_scale` is the pipeline's: the embedded guidance; `negative` is not used (no true
+        classifier-free pass)."""
         from diffusers import HunyuanVideoPipeline
 
-        from fv_accel.sampling import pipeline_latents, sampling_scheduler
+        from fv_accel.sampling import pipeline_latents
 
         del negative, first_frame
         pipe = HunyuanVideoPipeline(
@@ -446,7 +461,7 @@ class HunyuanVideoStudent(DiffusersStudent):
             tokenizer=None,
             transformer=self._unwrapped(),
             vae=vae,
-            scheduler=sampling_scheduler(shift),
+            scheduler=scheduler,
             text_encoder_2=None,
             tokenizer_2=None,
         )
@@ -479,15 +494,11 @@ class HunyuanVideoStudent(DiffusersStudent):
             return
         from pathlib import Path
 
-        from safetensors.torch import save_file
-
-        from fv_accel.models.lora import COMFYUI_LORA_FILE, DIFFUSERS_LORA_FILE, alpha_by_module, read_lora_file
+        from fv_accel.models.lora import COMFYUI_LORA_FILE, DIFFUSERS_LORA_FILE, read_lora_file, save_comfyui_file
 
         state, metadata = read_lora_file(Path(output_dir) / DIFFUSERS_LORA_FILE)
         if metadata is None or metadata.get("use_rslora") or metadata.get("use_dora"):
             logger.warning("no ComfyUI LoRA file: the adapter is rsLoRA/DoRA or has no metadata (alpha unknown)")
             return
-        config = self.modules[0].config
-        mlp_width = int(config.num_attention_heads * config.attention_head_dim * config.mlp_ratio)
-        comfy = hunyuan_comfyui_lora(state, alpha_by_module(state, metadata), mlp_width=mlp_width)
-        save_file(comfy, str(Path(output_dir) / COMFYUI_LORA_FILE), metadata={"format": "pt"})
+        comfy = self.comfyui_lora_state(state, metadata, lambda: dict(self.modules[0].config))
+        save_comfyui_file(Path(output_dir) / COMFYUI_LORA_FILE, comfy)

@@ -19,8 +19,8 @@ What the pipeline does, and so what this family does:
   [B, D] vector that modulates every block (AdaLayerNormZero) and the text token refiner; there is
   no per-frame or per-token path, so diffusion forcing is refused.
 - Training shift: the repo's scheduler config (`shift` 5.0 at 480p, 9.0 at 720p t2v), unless the
-  recipe sets `models.student.flow_shift`; sample videos run the stock pipeline at validation's
-  sampling shift and guidance scale.
+  recipe sets `models.student.flow_shift`; sample videos run the stock pipeline with validation's
+  scheduler (by default the repo's, at its shift) and guidance scale.
 - Text length: the loader keeps up to 512 tokens of each text column; the pipeline allows 1000
   Qwen2.5-VL tokens (longer captions are cut at 512 in training).
 """
@@ -290,16 +290,16 @@ class HunyuanVideo15Student(DiffusersStudent):
         num_frames: int,
         num_inference_steps: int,
         guidance_scale: float,
-        shift: float,
+        scheduler: Any,
         generator: torch.Generator,
         first_frame: Any = None,
     ) -> torch.Tensor:
         """Normalised latents [1, 32, T, h, w] from the stock HunyuanVideo15Pipeline around the live
-        transformer, prompt embeddings precomputed (no text encoders), its scheduler at `shift` and
-        its classifier-free guider at `guidance_scale`. `negative` is the encoded negative prompt
+        transformer, prompt embeddings precomputed (no text encoders), stepping with `scheduler`, its
+        classifier-free guider at `guidance_scale`. `negative` is the encoded negative prompt
         (validation's, the empty prompt by default, as the pipeline's own); without one the guider's
         unconditional branch gets the zeroed text."""
-        from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+        from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
 
         transformer = self._unwrapped()
         guider = ClassifierFreeGuidance(guidance_scale=guidance_scale)
@@ -308,7 +308,7 @@ class HunyuanVideo15Student(DiffusersStudent):
             tokenizer=None,
             transformer=transformer,
             vae=vae,
-            scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift),
+            scheduler=scheduler,
             text_encoder_2=None,
             tokenizer_2=None,
             guider=guider,

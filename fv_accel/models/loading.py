@@ -134,8 +134,9 @@ def load_transformer(
         class_name = config.get("_class_name")
         if class_name not in class_to_kind:
             raise ModelLoadError(
-                f"model '{cfg.init_from}': transformer class {class_name!r} is not supported; "
-                f"supported: {', '.join(sorted(class_to_kind))} (or set models.student.model_class)"
+                f"model '{cfg.init_from}': {subfolder or '.'}/config.json names transformer class {class_name!r} "
+                f"(_class_name), which is not supported; supported: {', '.join(sorted(class_to_kind))} (or set "
+                "models.student.model_class)"
             )
         kind = class_to_kind[class_name]
     try:

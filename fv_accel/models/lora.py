@@ -285,15 +285,20 @@ def to_comfyui(
     return out
 
 
-def save_comfyui_lora(
-    path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, Any], module_name: Callable[[str], str]
-) -> Path:
+def save_comfyui_file(path: str | Path, comfy_state: dict[str, torch.Tensor]) -> Path:
+    """Write a LoRA already in ComfyUI's layout (see `to_comfyui`) to `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # No diffusers adapter metadata here: the alpha lives in the `.alpha` keys (a loader that
     # also applied metadata would scale twice).
-    save_file(to_comfyui(state, metadata, module_name), str(path), metadata={"format": "pt"})
+    save_file(comfy_state, str(path), metadata={"format": "pt"})
     return path
+
+
+def save_comfyui_lora(
+    path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, Any], module_name: Callable[[str], str]
+) -> Path:
+    return save_comfyui_file(path, to_comfyui(state, metadata, module_name))
 
 
 def save_lora_outputs(
@@ -409,6 +414,7 @@ __all__ = [
     "merge_lora",
     "read_lora_file",
     "register_adapter_checkpointing",
+    "save_comfyui_file",
     "save_comfyui_lora",
     "save_diffusers_lora",
     "save_lora_outputs",

@@ -279,6 +279,8 @@ def _vae_weights_file(model: str, revision: Optional[str]) -> Path:
 class LTXVideoEncoder(FamilyEncoder):
     """LTX-Video's VAE (`AutoencoderKLLTXVideo`) and T5 text encoder, eval mode, no grad."""
 
+    text_max_length = LTX_TEXT_MAX_LENGTH
+
     def __init__(
         self,
         model: str,
@@ -521,29 +523,20 @@ class LTXVideoStudent(DiffusersStudent):
         num_frames: int,
         num_inference_steps: int,
         guidance_scale: float,
-        shift: float,
+        scheduler: Any,
         generator: torch.Generator,
         first_frame: Any = None,
     ) -> torch.Tensor:
         """Normalised latents [1, C, T, h, w] through the repo's pipeline class (LTXPipeline or
-        LTXConditionPipeline, text-to-video) around the live transformer, prompt embeddings and masks
-        precomputed. The repo's scheduler (resolution-dependent shift, terminal stretch) when it has
-        one; otherwise an Euler scheduler with the sampling `shift`."""
+        LTXConditionPipeline, text-to-video) around the live transformer, stepping with `scheduler`
+        (by default the repo's: resolution-dependent shift, terminal stretch), prompt embeddings and
+        masks precomputed."""
         import diffusers
-        from diffusers import FlowMatchEulerDiscreteScheduler
 
-        from fv_accel.sampling import pipeline_latents, sampling_scheduler
+        from fv_accel.sampling import pipeline_latents
 
         if first_frame is not None:
             raise ValueError("the LTX-Video family samples text-to-video only (no first frame)")
-        config = self.scheduler_config
-        if config:
-            scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
-            if config.get("use_dynamic_shifting") and not getattr(self, "_told_shift", False):
-                logger.info("LTX-Video samples with its repo's resolution-dependent shift; the sampling shift %s is unused", shift)
-                self._told_shift = True
-        else:
-            scheduler = sampling_scheduler(shift)
         pipeline_class = getattr(diffusers, self.pipeline if self.pipeline == LTX_CONDITION_PIPELINE else LTX_PIPELINE)
         pipe = pipeline_class(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=self.transformer)
 

@@ -11,15 +11,15 @@ repo's own scheduler config.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from fv_accel.config import RunConfig, StudentConfig
+from fv_accel.config import ConfigError, RunConfig, StudentConfig
 from fv_accel.models.base import ModelBase
 from fv_accel.models.loading import DTYPES, LOW_PRECISION, fetch_config, load_transformer
+from fv_accel.schedulers import scheduler_shift
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ def build_family_transformer(
     classes = family.transformer_classes
     class_to_kind = {cls.__name__: kind for kind, cls in classes.items()}
     if cfg.init_from is None:
-        kind = next(iter(classes)) if cfg.model_class == "auto" else cfg.model_class
-        transformer = classes[kind](**dict(cfg.transformer_config or {}))
+        kind = inline_transformer_kind(classes, cfg)
+        transformer = classes[kind](**inline_transformer_kwargs(classes[kind], cfg.transformer_config or {}))
         if cfg.torch_dtype != "float32":
             transformer = transformer.to(DTYPES[cfg.torch_dtype])
         return transformer, kind
@@ -43,31 +43,40 @@ def build_family_transformer(
     return transformer, class_to_kind[type(transformer).__name__]
 
 
-def calculate_shift(tokens: int, base_seq_len: int, max_seq_len: int, base_shift: float, max_shift: float) -> float:
-    """diffusers' `mu` of resolution-dependent shifting: linear in the token count."""
-    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    return tokens * slope + (base_shift - slope * base_seq_len)
-
-
-def scheduler_shift(config: dict, tokens: int) -> float:
-    """The static shift a flow-matching scheduler config applies to latents of `tokens` tokens.
-
-    With `use_dynamic_shifting`, diffusers maps sigma to exp(mu) / (exp(mu) + 1/sigma - 1) (the
-    exponential time shift), which is the static map shift * s / (1 + (shift - 1) * s) with
-    shift = exp(mu)."""
-    if config.get("use_dynamic_shifting"):
-        if config.get("time_shift_type", "exponential") != "exponential":
-            raise ValueError(f"scheduler time_shift_type {config.get('time_shift_type')!r} is not supported (exponential only)")
-        mu = calculate_shift(
-            tokens,
-            int(config.get("base_image_seq_len", 256)),
-            int(config.get("max_image_seq_len", 4096)),
-            float(config.get("base_shift", 0.5)),
-            float(config.get("max_shift", 1.15)),
+def inline_transformer_kind(classes: dict[str, type], cfg: StudentConfig) -> str:
+    """The kind (model_class) an inline `transformer_config` builds: `model_class`, else the class its
+    `_class_name` names (a pasted config.json), else the family's first; a `_class_name` the family
+    has no class for is a ConfigError of one line."""
+    named = (cfg.transformer_config or {}).get("_class_name")
+    by_name = {c.__name__: kind for kind, c in classes.items()}
+    kind = cfg.model_class if cfg.model_class != "auto" else by_name.get(named, next(iter(classes)))
+    if named is not None and classes[kind].__name__ != named:
+        raise ConfigError(
+            f"models.student.transformer_config._class_name: {named!r}, but models.student.model_class "
+            f"{cfg.model_class!r} builds {classes[kind].__name__}: remove one of the two or make them agree"
         )
-        return math.exp(mu)
-    shift = config.get("shift", config.get("flow_shift"))
-    return 1.0 if shift is None else float(shift)
+    return kind
+
+
+def inline_transformer_kwargs(cls: type, config: dict) -> dict:
+    """An inline `transformer_config` as keyword arguments of `cls`: keys starting with "_" (a
+    pasted config.json's `_class_name`, `_diffusers_version`) are dropped, as diffusers' from_config
+    does; any other key that `cls.__init__` does not take is a ConfigError naming it and the class."""
+    import difflib
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return {k: v for k, v in config.items() if not str(k).startswith("_")}
+    known = sorted(name for name in params if name != "self")
+    for key in config:
+        if not str(key).startswith("_") and key not in params:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"models.student.transformer_config: unknown key {key!r} for {cls.__name__}{hint}; its keys: {', '.join(known)}"
+            )
+    return {k: v for k, v in config.items() if not str(k).startswith("_")}
 
 
 class DiffusersStudent(ModelBase):
@@ -213,6 +222,12 @@ class DiffusersStudent(ModelBase):
                     st.init_from, "scheduler", revision=st.revision, required=False, filename="scheduler_config.json"
                 )
         return self._scheduler_config
+
+    @classmethod
+    def default_scheduler_config(cls) -> dict:
+        """The scheduler config sample videos use when the model repo has none: Euler at the
+        family's default shift."""
+        return {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": cls.default_flow_shift}
 
     def tokens(self, latent_shape: torch.Size) -> int:
         pt, ph, pw = self.patch_size

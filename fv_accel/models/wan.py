@@ -566,21 +566,23 @@ class WanStudent(DiffusersStudent):
         num_frames: int,
         num_inference_steps: int,
         guidance_scale: float,
-        shift: float,
+        scheduler: Any,
         generator: torch.Generator,
         first_frame: Optional[Any] = None,
     ) -> Optional[torch.Tensor]:
         """A sample through the repo's own diffusers pipeline (WanPipeline, or WanImageToVideoPipeline
-        from `first_frame`, a uint8 [H, W, 3] image) around the live transformer; returns the
-        normalised latents. A single Wan 2.2 expert samples with the base repo's other expert."""
+        from `first_frame`, a uint8 [H, W, 3] image) around the live transformer, stepping with
+        `scheduler` (a diffusers scheduler); returns the normalised latents. A single Wan 2.2 expert
+        samples with the base repo's other expert."""
         from diffusers import WanImageToVideoPipeline, WanPipeline
 
-        from fv_accel.sampling import pipeline_latents, sampling_scheduler
+        from fv_accel.sampling import pipeline_latents
 
         if self.kind == "skyreels_v2" or self.uses_image_features:
-            # The Euler sampler over `forward` (validation's default): SkyReels-V2 samples by diffusion
-            # forcing, and WanImageToVideoPipeline takes the image or precomputed CLIP features, not
-            # both, while its condition latent needs the image (the CLIP encoder is not kept loaded).
+            # Validation's whole-clip loop over `forward` with the same scheduler: SkyReels-V2's stock
+            # pipeline samples by diffusion forcing, and WanImageToVideoPipeline takes the image or
+            # precomputed CLIP features, not both, while its condition latent needs the image (the
+            # CLIP encoder is not kept loaded).
             return None
 
         transformer, transformer_2 = self.transformer, None
@@ -593,7 +595,7 @@ class WanStudent(DiffusersStudent):
             tokenizer=None,
             text_encoder=None,
             vae=vae,
-            scheduler=sampling_scheduler(shift),
+            scheduler=scheduler,
             transformer=transformer,
             transformer_2=transformer_2,
             boundary_ratio=self.layout.boundary_ratio if self.expert is not None else None,

@@ -2,4 +2,49 @@
 
 It sits above preprocessing (the tiny dataset is made by the real preprocessing pipeline) and
 below `build` and validation, which use it for the `tiny` data path.
+
+This module is the tiny world's one door: code outside fv_accel/tiny/ uses it only through the
+names in `__all__` (tests/test_layering.py checks), each importing what it needs when called:
+
+- the `data_path: tiny` source: `tiny_dataset` (its folder of Parquet shards, built on first use)
+  and `tiny_caption_words` (the words of the captions its clips carry);
+- the tiny model builder: `tiny_models` (every tiny model by name) and `tiny_model_defaults`.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["tiny_dataset", "tiny_caption_words", "tiny_models", "tiny_model_defaults"]
+
+
+def tiny_dataset(data_cfg: Any, cache_dir: Optional[str] = None) -> Path:
+    """The `data_path: tiny` source: the folder holding the tiny dataset's Parquet shards for these
+    `training.data` settings, rendered and encoded once, then cached (fv_accel/tiny/data.py)."""
+    from fv_accel.tiny.data import ensure_tiny_dataset
+
+    return ensure_tiny_dataset(data_cfg, cache_dir)
+
+
+def tiny_caption_words() -> dict[str, tuple]:
+    """The words of the tiny clips' captions, "a <color> <shape> moving <motion> on a <background>
+    background": {"colors", "shapes", "motions", "backgrounds"} (fv_accel/tiny/clips.py)."""
+    from fv_accel.tiny.clips import BACKGROUNDS, COLORS, MOTIONS, SHAPES
+
+    return {"colors": tuple(COLORS), "shapes": tuple(SHAPES), "motions": tuple(MOTIONS), "backgrounds": tuple(BACKGROUNDS)}
+
+
+def tiny_models() -> dict:
+    """The tiny model builder: name -> TinyModel (`.write(folder, seed)`, `.layout`, `.summary`),
+    the Wan variants first (fv_accel/tiny/registry.py)."""
+    from fv_accel.tiny.registry import all_tiny_models
+
+    return all_tiny_models()
+
+
+def tiny_model_defaults() -> tuple[str, dict[str, str]]:
+    """(the tiny model written when none is named, the older `--class` names -> model names)."""
+    from fv_accel.tiny.model import DEFAULT_TINY_MODEL, MODEL_CLASS_ALIASES
+
+    return DEFAULT_TINY_MODEL, dict(MODEL_CLASS_ALIASES)

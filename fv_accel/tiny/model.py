@@ -85,10 +85,8 @@ class TinyVariant:
     two_transformers: bool = False  # `transformer` (high noise) + `transformer_2` (low noise)
     boundary_ratio: Optional[float] = None
     expand_timesteps: bool = False
-    # The real repos' UniPC flow scheduler, or "euler" (FlowMatchEulerDiscreteScheduler, the one the
-    # project's own sampler uses) for the tiny wan21_t2v. WanPipeline runs with either; SkyReels-V2's
-    # diffusion-forcing pipeline needs UniPC.
-    scheduler: str = "unipc"
+    # The real repo's scheduler: UniPCMultistepScheduler with flow sigmas at `flow_shift` (see
+    # `build_scheduler` for where each value comes from).
     flow_shift: float = 3.0
     # Transformer config flags the real checkpoint sets (from diffusers' conversion script of the repo).
     transformer_flags: tuple[tuple[str, object], ...] = ()
@@ -113,7 +111,6 @@ TINY_MODELS: dict[str, TinyVariant] = {
             "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
             "WanPipeline, one 16-channel transformer (the default)",
             "WanPipeline",
-            scheduler="euler",
         ),
         TinyVariant(
             "wan21_i2v",
@@ -250,10 +247,14 @@ def build_tiny_image_encoder(seed: int):
 
 
 def build_scheduler(variant: TinyVariant):
-    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+    """The scheduler of the real repo the variant mirrors, with the keys its scheduler_config.json
+    sets: diffusers' Wan conversion script (scripts/convert_wan_to_diffusers.py) writes
+    `UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+    num_train_timesteps=1000, flow_shift=...)` with flow_shift 5.0 for TI2V, 3.0 for the Wan 2.1
+    T2V/I2V and Wan 2.2 A14B repos. SkyReels-V2 DF ships the same class; its flow_shift 8.0 is the
+    one diffusers' SkyReels-V2 documentation sets for text-to-video."""
+    from diffusers import UniPCMultistepScheduler
 
-    if variant.scheduler == "euler":
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=variant.flow_shift)
     return UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=variant.flow_shift
     )

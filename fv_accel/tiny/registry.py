@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from pathlib import Path
 
 from fv_accel.tiny.model import TinyModel
 
 
 def all_tiny_models() -> dict[str, TinyModel]:
     """name -> TinyModel, the Wan variants first."""
-    import fv_accel.tiny as package
     from fv_accel.tiny.model import wan_tiny_models
 
+    # This package's modules, found in its folder (the package itself, fv_accel.tiny, is the door
+    # that calls this function).
+    package = __name__.rpartition(".")[0]
     out: dict[str, TinyModel] = dict(wan_tiny_models())
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
+    for info in sorted(pkgutil.iter_modules([str(Path(__file__).resolve().parent)]), key=lambda m: m.name):
+        module = importlib.import_module(f"{package}.{info.name}")
         for name, model in getattr(module, "TINY_MODEL_ENTRIES", {}).items():
             if name in out:
                 raise ValueError(f"tiny model {name!r} declared twice (fv_accel/tiny/{info.name}.py)")
