@@ -116,12 +116,14 @@ class FamilyEncoder:
     text_max_length: Optional[int] = None
 
     def caption_tokens(self, caption: str) -> Optional[int]:
-        """Tokens of `caption` before the cut to `text_max_length` (special tokens included), counted
-        with the family's tokenizer (`self.tokenizer`); None where the family does not count them."""
+        """Tokens of `caption` (as the pipeline encodes it: `pipeline_prompt`) before the cut to
+        `text_max_length` (special tokens included), counted with the family's tokenizer
+        (`self.tokenizer`); None where the family does not count them."""
         tokenizer = getattr(self, "tokenizer", None)
         if tokenizer is None or self.text_max_length is None:
             return None
-        return len(tokenizer(caption, add_special_tokens=True, truncation=False, verbose=False).input_ids)
+        text = self.pipeline_prompt(caption)
+        return len(tokenizer(text, add_special_tokens=True, truncation=False, verbose=False).input_ids)
 
     def encode_video(self, frames: np.ndarray) -> torch.Tensor:
         """uint8 [F, H, W, 3] -> the raw (un-normalised) latent [C, T, h, w], the posterior's mode."""

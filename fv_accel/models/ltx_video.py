@@ -279,8 +279,6 @@ def _vae_weights_file(model: str, revision: Optional[str]) -> Path:
 class LTXVideoEncoder(FamilyEncoder):
     """LTX-Video's VAE (`AutoencoderKLLTXVideo`) and T5 text encoder, eval mode, no grad."""
 
-    text_max_length = LTX_TEXT_MAX_LENGTH
-
     def __init__(
         self,
         model: str,
