@@ -56,10 +56,10 @@ def tiny_variant_dir(tmp_path_factory):
 def tiny_model_of(tmp_path_factory, tiny_variant_dir):
     """tiny_model_of(name): the folder of any tiny model `python -m fv_accel.tiny_model --list` names
     (seed 0), written at its first use in the session (the Wan variants: tiny_variant_dir's)."""
+    from fv_accel.tiny import tiny_models
     from fv_accel.tiny.model import TINY_MODELS
-    from fv_accel.tiny.registry import all_tiny_models
 
-    models = all_tiny_models()
+    models = tiny_models()
     written = {}
 
     def get(name: str):
