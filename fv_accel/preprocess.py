@@ -9,8 +9,11 @@ and a `caption`/`prompt` column; or a Hugging Face dataset (a `save_to_disk` fol
 data files, or a Hub id in the local cache) with a video column and a caption column.
 
 Output: FastVideo-schema Parquet shards `data-SSSSS-of-NNNNN.parquet` (clip i goes to shard
-i // shard_size, in input order), `fv_dataset.json` (model and VAE latent statistics) and
-`skipped.jsonl` (every clip left out, with its path and reason).
+i // shard_size, in input order), `fv_dataset.json` (model and VAE latent statistics),
+`unconditional_text.safetensors` (the encoding of the prompt the model's pipeline gives its
+unconditional branch, which caption dropout trains on) and `skipped.jsonl` (every clip left out,
+with its path and reason). Captions are encoded as the model's pipeline encodes a prompt (the Wan
+family's text cleaning included); the `caption` column holds the text that was encoded.
 
 Nothing is lost to an interruption but the clip in flight: each encoded clip is written at once
 (atomically) to `.fv_pending/<key>.parquet`, where the key hashes the clip's bytes, its caption and
@@ -42,8 +45,10 @@ from fv_accel.data.schema import (
     SHARD_RE,
     make_row,
     tensor_columns,
+    unconditional_text_metadata,
     write_dataset_info,
     write_rows,
+    write_unconditional_text,
 )
 from fv_accel.data.video import (
     MEDIA_EXTENSIONS,
@@ -613,6 +618,13 @@ class _EncodeJob:
         self.device, self.dtype, self.vae_tiling = device, dtype, vae_tiling
         self.family, self.spec, self.encoder = family, spec, encoder
         self.conditioning = spec.conditioning if spec is not None else ("text",)
+        # The family pipeline's text rules: the caption cleaning its encoder applies, and the prompt
+        # of its unconditional branch (what caption dropout trains on).
+        if family is not None:
+            self.pipeline_prompt, self.unconditional_prompt = family.pipeline_prompt, family.unconditional_prompt
+        else:
+            self.pipeline_prompt = getattr(encoder, "pipeline_prompt", lambda caption: caption)
+            self.unconditional_prompt = getattr(encoder, "unconditional_prompt", "")
         self.fingerprint = settings_fingerprint(model, revision, sampling, dtype, TEXT_MAX_LENGTH, self.conditioning)
         self.pending = output / PENDING_DIR
         self.rank = 0
@@ -657,7 +669,7 @@ class _EncodeJob:
             sample_id=clip.name,
             latent=latent,
             text_embedding=text,
-            caption=clip.caption.strip(),
+            caption=self.pipeline_prompt(clip.caption.strip()),
             file_name=clip.name,
             media_type="image" if image else "video",
             width=w,
@@ -697,7 +709,8 @@ class _EncodeJob:
         except OSError as err:
             stats.skipped.append((clip.index, clip.name, "unreadable", f"cannot read the file ({err})"))
             return "skipped", None
-        key = clip_key(content, clip.caption, self.fingerprint)
+        # Keyed by the text the model encodes: a row encoded from other text is not reused.
+        key = clip_key(content, self.pipeline_prompt(clip.caption.strip()), self.fingerprint)
         row = store.get(key) if key in store else None
         if row is not None:
             stats.reused += 1
@@ -738,6 +751,8 @@ class _EncodeJob:
             barrier()
         result = PreprocessResult(0, 0, 0, 0, 0.0, self.output, form, world_size)
         if rank == 0:
+            ensure_unconditional_text(self.output, self.unconditional_prompt, self.fingerprint, self.get_encoder)
+            encoder = self.encoder
             if encoder is not None and hasattr(encoder, "latent_statistics"):
                 stats_found = encoder.latent_statistics()
             elif encoder is not None:  # an encoder without the method: its VAE's config says
@@ -753,6 +768,15 @@ class _EncodeJob:
         if world_size > 1:
             barrier()
         return result
+
+
+def ensure_unconditional_text(output: Path, prompt: str, fingerprint: str, get_encoder: Callable[[], Any]) -> None:
+    """Encode the pipeline's unconditional `prompt` into the dataset's unconditional text file, unless
+    the file already holds it for these settings (then no encoder is loaded)."""
+    stored = unconditional_text_metadata(output) or {}
+    if (stored.get("prompt"), stored.get("fingerprint")) != (prompt, fingerprint):
+        columns = dict(get_encoder().encode_caption(prompt))
+        write_unconditional_text(output, columns, prompt=prompt, fingerprint=fingerprint)
 
 
 def _finish(

@@ -830,23 +830,27 @@ class VideoSamplingCallback(TrainerCallback):
         per_frame = student.capabilities.per_frame_timesteps
 
         def predict(x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-            if clean:  # the condition frames stay the clean first frame at t = 0
-                x, t = x.clone(), t.clone()
-                x[:, :, :clean], t[:, :clean] = first, 0.0
             # A student without per-frame timesteps samples whole clips only: one timestep per sample.
-            return student.forward(x, t if per_frame else t[:, 0], cond)
+            single = t[:, 0]
+            if clean:  # the sampled frames follow the condition frames, the clean first frame at t = 0
+                x = torch.cat([first.expand(x.shape[0], -1, -1, -1, -1), x], dim=2)
+                t = torch.cat([t.new_zeros(t.shape[0], clean), t], dim=1)
+            return student.forward(x, t if per_frame else single, cond)[:, :, clean:]
 
+        # The samplers run over the frames after the condition frames: the chunks start there, as in
+        # training (DFSFT's noise chunks and a causal student's attention blocks).
+        sampled = noise[:, :, clean:]
         if chunk_size is None:
             # No family pipeline for this student: the pipeline's loop, with the same scheduler.
-            x = sample_with_scheduler(predict, noise, text, self.schedule.build(), negative_text=negative, **steps)
+            x = sample_with_scheduler(predict, sampled, text, self.schedule.build(), negative_text=negative, **steps)
         else:
             x = sample_diffusion_forcing(
-                predict, noise, text, chunk_size=chunk_size, shift=self.schedule.euler_shift(student.tokens(shape)),
+                predict, sampled, text, chunk_size=chunk_size, shift=self.schedule.euler_shift(student.tokens(shape)),
                 negative_text=negative, ar_step=self.val.ar_step, context_noise=self.val.context_noise,
                 generator=generator, causal=getattr(student, "causal_block_size", None) is not None, **steps,
             )
         if clean:
-            x[:, :, :clean] = first
+            x = torch.cat([first.to(x.dtype), x], dim=2)
         return x
 
     def _reference_clips(self, student: Any) -> list[tuple[torch.Tensor, np.ndarray]]:

@@ -53,6 +53,26 @@ def tiny_variant_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_model_of(tmp_path_factory, tiny_variant_dir):
+    """tiny_model_of(name): the folder of any tiny model `python -m fv_accel.tiny_model --list` names
+    (seed 0), written at its first use in the session (the Wan variants: tiny_variant_dir's)."""
+    from fv_accel.tiny import tiny_models
+    from fv_accel.tiny.model import TINY_MODELS
+
+    models = tiny_models()
+    written = {}
+
+    def get(name: str):
+        if name in TINY_MODELS:
+            return tiny_variant_dir(name)
+        if name not in written:
+            written[name] = models[name].write(tmp_path_factory.mktemp("tiny_model_of") / name, 0)
+        return written[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_data_path(_cache_dir):
     """The built-in tiny dataset (Parquet in FastVideo's schema), built once per session."""
     from fv_accel.config import default_recipe, load_config

@@ -537,3 +537,118 @@ def test_a_bidirectional_student_saves_no_attention_record(tmp_path, tiny_data_p
     Trainer(build_from_config(CAUSAL_RECIPE, overrides)).run()
     config = json.loads((tmp_path / "out" / "transformer" / "config.json").read_text())
     assert config["_class_name"] == "WanTransformer3DModel" and SAVED_ATTENTION_KEY not in config
+
+
+# ---- causal leaks: a later chunk changes no earlier output, in every layout ----
+
+
+def _ti2v_i2v_method(tiny_variant_dir, recipe: str = "dfsft", **overrides):
+    from fv_accel.config import default_recipe
+    from fv_accel.methods import METHODS
+    from fv_accel.models import build_student
+
+    over = {
+        "models.student.init_from": str(tiny_variant_dir("wan22_ti2v")), "models.student.task": "i2v",
+        "models.student.causal": True, "method.chunk_size": 2, "callbacks.validation.enable": False, **overrides,
+    }
+    cfg = load_config(default_recipe("dfsft") if recipe == "dfsft" else recipe, over)
+    torch.manual_seed(0)
+    student = build_student(cfg)
+    return student, METHODS[cfg.method.name](cfg=cfg, role_models={"student": student})
+
+
+def _ti2v_batch() -> dict:
+    g = torch.Generator().manual_seed(4)
+    return {
+        "vae_latent": torch.randn(1, 48, 5, 4, 4, generator=g),  # 5 latent frames: the image, then 2 chunks of 2
+        "text_embedding": torch.randn(1, 6, 32, generator=g),
+        "sample_index": torch.tensor([0]),
+        "epoch": torch.tensor([0]),
+    }
+
+
+def test_ti2v_image_to_video_noise_chunks_are_the_attention_blocks_after_the_clean_frame(tiny_variant_dir):
+    student, method = _ti2v_i2v_method(tiny_variant_dir)
+    assert student.causal_spec().prefix_frames == 1
+    tb = method._prepare(_ti2v_batch())
+    idx = tb.timestep_indices[0].tolist()
+    assert idx[0] == -1 and idx[1] == idx[2] and idx[3] == idx[4] and idx[2] != idx[3]  # [clean | chunk | chunk]
+    x, t = tb.noisy_model_input, tb.timesteps
+    with torch.no_grad():
+        base = student.predict_noise(x, t, tb)
+        for end in (1, 3):  # the end of the condition frame's block, of the first noise chunk's
+            moved = x.clone()
+            moved[:, :, end:] += torch.randn_like(moved[:, :, end:])
+            t_moved = t.clone()
+            t_moved[:, end:] = 500.0
+            out = student.predict_noise(moved, t_moved, tb)
+            assert torch.equal(out[:, :, :end], base[:, :, :end]), f"frames < {end} saw a later chunk"
+            assert (out[:, :, end:] - base[:, :, end:]).abs().max() > 1e-3
+        # Inside a noise chunk the frames see each other, and every chunk sees the condition frame.
+        inside = x.clone()
+        inside[:, :, 2] += 1.0
+        assert (student.predict_noise(inside, t, tb)[:, :, 1] - base[:, :, 1]).abs().max() > 1e-3
+        image = x.clone()
+        image[:, :, 0] += 1.0
+        assert (student.predict_noise(image, t, tb)[:, :, 3] - base[:, :, 3]).abs().max() > 1e-3
+
+
+def test_ti2v_image_to_video_teacher_forcing_sees_no_later_chunk(tiny_variant_dir):
+    student, method = _ti2v_i2v_method(tiny_variant_dir, TFSFT_RECIPE)
+    tb = method._prepare(_ti2v_batch())
+    context, x, t = tb.latents, tb.noisy_model_input, tb.timesteps
+    ct = torch.zeros_like(t)
+    with torch.no_grad():
+        _, base = student.predict_noise_teacher_forcing(context, ct, x, t, tb)
+        for end in (1, 3):
+            moved, moved_context = x.clone(), context.clone()
+            moved[:, :, end:] += 1.0
+            moved_context[:, :, end:] += 1.0
+            _, out = student.predict_noise_teacher_forcing(moved_context, ct, moved, t, tb)
+            assert torch.equal(out[:, :, :end], base[:, :, :end]), f"noisy frames < {end} saw a later chunk"
+            assert (out[:, :, end:] - base[:, :, end:]).abs().max() > 1e-3
+
+
+def test_kv_cached_rollout_of_a_later_chunk_changes_no_earlier_chunk():
+    student = make_student(chunk=2)
+    noise, _, tb = inputs(seed=3)
+    kwargs = dict(num_steps=1, shift=3.0)
+    base = kv_cached_rollout(student, noise, tb.encoder_hidden_states, **kwargs).latents
+    moved = noise.clone()
+    moved[:, :, 4:] += 1.0  # the last chunk's noise
+    out = kv_cached_rollout(student, moved, tb.encoder_hidden_states, **kwargs).latents
+    assert torch.equal(out[:, :, :4], base[:, :, :4])
+    assert (out[:, :, 4:] - base[:, :, 4:]).abs().max() > 1e-3
+
+
+def test_ltx_condition_pipeline_student_is_block_causal_on_its_coordinates(tiny_model_of):
+    from fv_accel.config import default_recipe
+    from fv_accel.models import build_student
+    from fv_accel.models.base import Conditioning
+
+    over = {
+        "models.student.init_from": str(tiny_model_of("ltx_video_condition")), "models.student.causal": True,
+        "method.chunk_size": 2, "callbacks.validation.enable": False,
+    }
+    torch.manual_seed(0)
+    student = build_student(load_config(default_recipe("dfsft"), over))
+    assert student.pipeline == "LTXConditionPipeline"
+    g = torch.Generator().manual_seed(5)
+    x, text = torch.randn(1, 16, 4, 2, 2, generator=g), torch.randn(1, 6, 32, generator=g)
+    cond = Conditioning(text=text, text_mask=torch.ones(1, 6, dtype=torch.long))
+    t = torch.tensor([[300.0, 300.0, 700.0, 700.0]])
+    attn = student.causal_attention
+    with torch.no_grad():
+        base = student.forward(x, t, cond)
+        moved = x.clone()
+        moved[:, :, 2:] += 1.0
+        out = student.forward(moved, t, cond)
+        assert torch.equal(out[:, :, :2], base[:, :, :2])
+        assert (out[:, :, 2:] - base[:, :, 2:]).abs().max() > 1e-3
+        # The cached block at frames 2-3 has the coordinates of frames 2-3 (LTXConditionPipeline's).
+        cache = KVCache()
+        with attn.kv_cache(cache, 0, write=True):
+            student.forward(x[:, :, :2], t[:, :2], cond)
+        with attn.kv_cache(cache, 2):
+            cached = student.forward(x[:, :, 2:], t[:, 2:], cond)
+    assert (cached - base[:, :, 2:]).abs().max() < 1e-5

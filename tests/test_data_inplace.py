@@ -20,7 +20,7 @@ import torch
 
 import fv_accel.data.loader as loader_module
 from fv_accel.data.loader import BucketBatchSampler, LatentDataset, TrainLoader, build_train_loader, collate
-from fv_accel.data.schema import make_row, tensor_columns, write_dataset_info
+from fv_accel.data.schema import make_row, tensor_columns, write_dataset_info, write_unconditional_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,6 +55,8 @@ def _nested_dataset(folder: Path, *, seed: int, shapes_counts, shards: int, stat
     per = -(-len(rows) // shards)
     for k in range(shards):
         _write(folder / f"part{k % 3}" / f"sub{k}" / f"rows-{k:03d}.parquet", rows[k * per : (k + 1) * per])
+    # The unconditional text caption dropout trains on (2 tokens, as a pipeline's empty prompt).
+    write_unconditional_text(folder, {"text_embedding": torch.randn(2, 32, generator=torch.Generator().manual_seed(seed))}, prompt="")
     if stats:
         write_dataset_info(folder, model=None, latent_stats=([0.0] * 16, [1.0] * 16), num_rows=len(rows))
     return str(folder)

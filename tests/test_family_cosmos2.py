@@ -21,10 +21,8 @@ from family_helpers import preprocess_tiny_clips, run_overrides
 
 
 @pytest.fixture(scope="module")
-def cosmos_dir(tmp_path_factory):
-    from fv_accel.tiny.cosmos2 import write_tiny_cosmos2
-
-    return write_tiny_cosmos2(tmp_path_factory.mktemp("tiny_cosmos2") / "tiny-cosmos2", seed=0)
+def cosmos_dir(tiny_model_of):
+    return tiny_model_of("cosmos2")
 
 
 def stock_pipeline(path, **components):

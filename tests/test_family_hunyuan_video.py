@@ -11,11 +11,9 @@ from family_helpers import preprocess_tiny_clips, run_overrides
 
 
 @pytest.fixture(scope="module")
-def hv_dir(tmp_path_factory):
+def hv_dir(tiny_model_of):
     """The tiny model as `python -m fv_accel.tiny_model DIR --model hunyuan_video` writes it."""
-    from fv_accel.tiny.registry import all_tiny_models
-
-    return all_tiny_models()["hunyuan_video"].write(tmp_path_factory.mktemp("tiny_hv") / "hunyuan_video", 0)
+    return tiny_model_of("hunyuan_video")
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,8 @@ CAPTION = "a red circle moving left on a dark background"
 
 
 @pytest.fixture(scope="module")
-def hv15_dir(tmp_path_factory):
-    from fv_accel.tiny.hunyuan_video_15 import write_tiny_hunyuan_video_15
-
-    return write_tiny_hunyuan_video_15(tmp_path_factory.mktemp("hv15") / "tiny-hv15", seed=0)
+def hv15_dir(tiny_model_of):
+    return tiny_model_of("hunyuan_video_15")
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def ltx(tmp_path_factory):
+def ltx(tmp_path_factory, tiny_model_of):
     """(tiny LTX-Video folder, its preprocessed dataset of 2 clips of 17 frames at 64x64)."""
-    from fv_accel.tiny.ltx_video import write_tiny_ltx_video
-
-    root = tmp_path_factory.mktemp("ltx")
-    model = write_tiny_ltx_video(root / "tiny-ltx", seed=0)
-    return model, preprocess_tiny_clips(model, root)
+    model = tiny_model_of("ltx_video")
+    return model, preprocess_tiny_clips(model, tmp_path_factory.mktemp("ltx"))
 
 
 def stock_pipeline(model: Path):

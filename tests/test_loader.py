@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fv_accel.data.loader import BucketBatchSampler, LatentDataset, TrainLoader, build_train_loader, collate
-from fv_accel.data.schema import make_row, write_rows
+from fv_accel.data.schema import make_row, write_rows, write_unconditional_text
 
 SHAPES = [(1, 4, 4), (1, 4, 6), (3, 4, 4), (3, 4, 6)]  # two lengths x two resolutions
 
@@ -117,16 +117,32 @@ def test_loader_position_resumes_where_it_stopped(mixed_shapes):
     assert next(iter(first))["sample_index"].tolist() == reference[11]
 
 
-def test_cfg_dropout_rate_is_reproducible_per_epoch(tmp_path):
+def test_cfg_dropout_trains_the_stored_unconditional_text_at_a_reproducible_rate(tmp_path):
     path = str(_write_dataset(tmp_path, [(SHAPES[0], 400)]))
+    with pytest.raises(ValueError) as err:
+        LatentDataset(path, cfg_rate=0.25)
+    assert str(err.value) == (
+        f"{path}: training.data.training_cfg_rate is 0.25 but the dataset has no unconditional_text.safetensors (the "
+        "encoding of the prompt the pipeline's unconditional branch uses, which caption dropout trains on): rerun the "
+        "preprocess command that made it (it reuses the encoded clips and adds the file), or set "
+        "training.data.training_cfg_rate: 0"
+    )
+    # The pipeline's empty prompt: 2 tokens, with its own mask (not zeros under the caption's mask).
+    unconditional = torch.randn(2, 32, generator=torch.Generator().manual_seed(3))
+    write_unconditional_text(path, {"text_embedding": unconditional}, prompt="")
 
     def dropped(rate: float, epoch: int) -> list[bool]:
         ds = LatentDataset(path, cfg_rate=rate, seed=11)
         out = []
         for i in range(len(ds)):
             item = ds[(i, epoch, 0)]
-            out.append(bool(item["text_embedding"].abs().sum() == 0))
-            assert item["text_attention_mask"].sum() == 5  # the mask keeps the caption's length
+            text, mask = item["text_embedding"], item["text_attention_mask"]
+            is_dropped = int(mask.sum()) == 2
+            out.append(is_dropped)
+            if is_dropped:
+                assert torch.equal(text[:2], unconditional) and text[2:].abs().sum() == 0
+            else:
+                assert int(mask.sum()) == 5 and not torch.equal(text[:2], unconditional)
         return out
 
     d0 = dropped(0.25, 0)

@@ -285,6 +285,16 @@ def test_interrupted_run_resumes_to_the_same_dataset(five_clips, encoder, tmp_pa
     changed = preprocess("tiny", str(work), out, sampling, shard_size=2, encoder=encoder, device=CPU)
     assert (changed.encoded, changed.newly_encoded, changed.reused) == (5, 1, 4)
     assert _rows(out)[-1]["caption"] == "a white square moving up on a dark background"
+    # Captions are the text the Wan pipeline encodes (its prompt_clean): a caption that cleans to the
+    # same text is the same row; the unconditional text (the empty prompt's) is stored beside the shards.
+    (work / "clip4.txt").write_text("a white  square moving up\non a dark background &amp;")
+    cleaned = preprocess("tiny", str(work), out, sampling, shard_size=2, encoder=encoder, device=CPU)
+    assert cleaned.newly_encoded == 1 and _rows(out)[-1]["caption"] == "a white square moving up on a dark background &"
+    (work / "clip4.txt").write_text("a white square   moving up on a dark background &amp;amp;\n")
+    assert preprocess("tiny", str(work), out, sampling, shard_size=2, encoder=encoder, device=CPU).newly_encoded == 0
+    from fv_accel.data.schema import read_unconditional_text
+
+    assert torch.equal(read_unconditional_text(out)["text_embedding"], encoder.encode_caption("")["text_embedding"])
 
 
 def test_preprocessed_folder_trains_with_both_methods(five_clips, encoder, tmp_path):

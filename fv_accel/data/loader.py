@@ -24,11 +24,13 @@ from fv_accel.data.schema import (
     TEXT_COLUMNS,
     DATASET_INFO,
     REQUIRED_COLUMNS,
+    UNCONDITIONAL_FILE,
     bytes_to_tensor,
     local_dataset_path,
     parquet_files,
     read_dataset_info,
     read_tensor_column,
+    read_unconditional_text,
 )
 from fv_accel.seeding import sample_generator_seed
 
@@ -83,8 +85,29 @@ class LatentDataset(Dataset):
         self.text_max_length = text_max_length
         self.cfg_rate = float(cfg_rate)
         self.seed = seed
+        # What a dropped caption becomes: the pipeline's unconditional text, stored by preprocessing.
+        self.unconditional = self._unconditional_text() if self.cfg_rate > 0 else None
         # Index of this dataset's first row in a mix, so mixed datasets draw different dropouts.
         self.global_offset = 0
+
+    def _unconditional_text(self) -> dict[str, torch.Tensor]:
+        """The dataset's unconditional text columns (schema.UNCONDITIONAL_FILE), one for each text
+        column its rows hold; caption dropout needs them."""
+        columns = read_unconditional_text(self.data_path)
+        if columns is None:
+            raise ValueError(
+                f"{self.data_path}: training.data.training_cfg_rate is {self.cfg_rate} but the dataset has no "
+                f"{UNCONDITIONAL_FILE} (the encoding of the prompt the pipeline's unconditional branch uses, which "
+                "caption dropout trains on): rerun the preprocess command that made it (it reuses the encoded clips "
+                "and adds the file), or set training.data.training_cfg_rate: 0"
+            )
+        missing = [name for name in ("text_embedding", *self.text_columns) if name not in columns]
+        if missing:
+            raise ValueError(
+                f"{self.data_path}/{UNCONDITIONAL_FILE} lacks {', '.join(missing)}, which the dataset's rows hold: "
+                "rerun the preprocess command that made the dataset"
+            )
+        return columns
 
     def describe(self, index: int) -> str:
         """Where row `index` lives, for messages: '<file> row <row in file> (id <id>)'."""
@@ -123,15 +146,12 @@ class LatentDataset(Dataset):
         texts = {k: v.float() if k != "text_attention_mask_2" else v for k, v in texts.items() if v is not None}
         if self.cfg_rate > 0:
             # CFG dropout keyed by (seed, epoch, index): reproducible and independent of the split.
-            # Every text column of the row is dropped together.
+            # Every text column of the row becomes the unconditional text's, with its mask.
             g = torch.Generator().manual_seed(
                 sample_generator_seed(self.seed + 7919, epoch, int(index) + self.global_offset)
             )
             if torch.rand((), generator=g).item() < self.cfg_rate:
-                padded.zero_()
-                for name in ("pooled_text_embedding", "text_embedding_2"):
-                    if name in texts:
-                        texts[name].zero_()
+                padded, mask, texts = self._dropped_text(texts)
         latent = latent.float()
         item = {
             "vae_latent": latent,
@@ -152,6 +172,18 @@ class LatentDataset(Dataset):
             if value is not None:
                 item[name] = conditioning_tensor(name, value, tuple(latent.shape), where)
         return item
+
+    def _dropped_text(self, texts: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(text, mask, the other text columns) of a dropped caption: the unconditional text's,
+        padded as a caption's."""
+        u = self.unconditional
+        padded, mask = pad_text(u["text_embedding"].clone(), self.text_max_length)
+        out = dict(texts)
+        if "pooled_text_embedding" in texts:
+            out["pooled_text_embedding"] = u["pooled_text_embedding"].clone()
+        if "text_embedding_2" in texts:
+            out["text_embedding_2"], out["text_attention_mask_2"] = pad_text(u["text_embedding_2"].clone(), self.text_max_length)
+        return padded, mask, out
 
 
 def _stored_tensor(row: dict, name: str, where: str) -> torch.Tensor:

@@ -209,6 +209,61 @@ def read_dataset_info(data_path: str | Path) -> dict:
     return info
 
 
+# Beside the shards: the text columns of the prompt the model's pipeline encodes for its
+# unconditional (classifier-free guidance) branch, real tokens only, with the prompt in the file's
+# metadata; caption dropout (`training.data.training_cfg_rate`) trains on them (fv_accel/data/loader.py).
+UNCONDITIONAL_FILE = "unconditional_text.safetensors"
+
+
+def write_unconditional_text(folder: str | Path, columns: dict[str, torch.Tensor], *, prompt: str, fingerprint: str = "") -> Path:
+    """Write the unconditional text columns ([L, D] sequences, [D] pooled) beside a dataset's shards,
+    through a temporary name (never a half-written file under the real one)."""
+    from safetensors.torch import save_file
+
+    path = Path(folder) / UNCONDITIONAL_FILE
+    tmp = path.with_name("." + path.name + ".tmp")
+    tensors = {name: value.detach().to(torch.float32).cpu().contiguous() for name, value in columns.items()}
+    save_file(tensors, str(tmp), metadata={"prompt": prompt, "fingerprint": fingerprint})
+    tmp.replace(path)
+    return path
+
+
+def unconditional_text_metadata(data_path: str | Path) -> Optional[dict]:
+    """The metadata (prompt, fingerprint) of a dataset's unconditional text file, None without one."""
+    from safetensors import safe_open
+
+    path = _dataset_folder(data_path) / UNCONDITIONAL_FILE
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception:  # noqa: BLE001 - not a safetensors file: written again by preprocessing
+        return None
+
+
+def read_unconditional_text(data_path: str | Path) -> Optional[dict[str, torch.Tensor]]:
+    """The unconditional text columns of a dataset (fp32), None when it has no such file; a file that
+    is not safetensors is an error naming it."""
+    from safetensors.torch import load_file
+
+    path = _dataset_folder(data_path) / UNCONDITIONAL_FILE
+    if not path.is_file():
+        return None
+    try:
+        return {name: value.float() for name, value in load_file(str(path)).items()}
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for a bad header
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(
+            f"{path}: not a readable safetensors file ({detail}); rerun the preprocess command that made the dataset"
+        ) from None
+
+
+def _dataset_folder(data_path: str | Path) -> Path:
+    p = Path(local_dataset_path(data_path))
+    return p if p.is_dir() else p.parent
+
+
 # Preprocessing's own names (fv_accel/preprocess.py): its shards, and its folder of rows in progress.
 SHARD_RE = re.compile(r"^data-(\d{5})-of-(\d{5})\.parquet$")
 PENDING_DIR = ".fv_pending"

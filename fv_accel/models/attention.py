@@ -5,6 +5,12 @@ a query in block k sees the keys of every frame before the end of block k. Optio
 are limited to a sliding window of the last `local_attn_size` frames (counted from the block's
 end) plus the first `sink_size` frames ("attention sinks"), which stay visible.
 
+A student whose first `prefix_frames` latent frames are a clean condition (Wan2.2-TI2V-5B
+image-to-video: the first frame) makes them a block of their own, and the blocks of `block_size`
+start after them: [0, p), [p, p + B), [p + B, p + 2B), ... The noise chunks of diffusion forcing
+are drawn over the frames after the condition (fv_accel/methods), so each noise chunk is one
+attention block: no frame sees a frame of a later chunk, and the condition frame sees only itself.
+
 Installed as a diffusers attention processor on the self-attention (`attn1`) of every block of a
 `WanTransformer3DModel` or `SkyReelsV2Transformer3DModel`; cross-attention is left unchanged.
 Visibility depends only on (query frame, key frame), so every rule is a small frame-level boolean
@@ -126,17 +132,45 @@ class CausalSpec:
     block_size: int
     local_attn_size: int = -1  # frames; -1 = every earlier frame
     sink_size: int = 0  # first frames always visible (with a window)
+    prefix_frames: int = 0  # leading clean condition frames: a block of their own (module docstring)
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"causal block size (method.chunk_size) must be an integer >= 1, got {self.block_size!r}")
-        if self.local_attn_size != -1 and self.local_attn_size < self.block_size:
+        largest = max(self.block_size, self.prefix_frames)
+        if self.local_attn_size != -1 and self.local_attn_size < largest:
             raise ValueError(
                 f"models.student.local_attn_size must be -1 (no window) or >= the block size "
-                f"{self.block_size} (a block always sees itself), got {self.local_attn_size}"
+                f"{largest} (a block always sees itself), got {self.local_attn_size}"
             )
         if self.sink_size < 0:
             raise ValueError(f"models.student.sink_size must be >= 0, got {self.sink_size}")
+        if self.prefix_frames < 0:
+            raise ValueError(f"causal prefix frames must be >= 0, got {self.prefix_frames}")
+
+    def block_index(self, frame: torch.Tensor) -> torch.Tensor:
+        """The attention block of each frame index (the prefix is block 0 when there is one)."""
+        p = self.prefix_frames
+        if not p:
+            return frame // self.block_size
+        return torch.where(frame < p, torch.zeros_like(frame), 1 + (frame - p).clamp_min(0) // self.block_size)
+
+    def block_end(self, frame: torch.Tensor, num_frames: int) -> torch.Tensor:
+        """One past the last frame of each frame's block (within `num_frames`)."""
+        p = self.prefix_frames
+        end = p + (self.block_index(frame) - (1 if p else 0) + 1) * self.block_size
+        if p:
+            end = torch.where(frame < p, torch.full_like(frame, p), end)
+        return end.clamp(max=num_frames)
+
+    def block_length(self, start: int) -> int:
+        """Frames of the block starting at frame index `start`."""
+        return self.prefix_frames if start < self.prefix_frames else self.block_size
+
+    def block_start(self, frame: int) -> bool:
+        """Whether a block starts at frame index `frame`."""
+        p = self.prefix_frames
+        return frame == 0 or (frame >= p and (frame - p) % self.block_size == 0)
 
     def visible_from_end(self, block_end: torch.Tensor, key_frame: torch.Tensor) -> torch.Tensor:
         """Whether key frame `key_frame` is visible to a query whose block ends at `block_end`."""
@@ -149,14 +183,13 @@ class CausalSpec:
 def sequence_visibility(spec: CausalSpec, num_frames: int) -> torch.Tensor:
     """[T, T] bool: query frame f sees key frame g (plain block-causal video)."""
     frames = torch.arange(num_frames)
-    block_end = ((frames // spec.block_size) + 1).mul(spec.block_size).clamp(max=num_frames)
-    return spec.visible_from_end(block_end[:, None], frames[None, :])
+    return spec.visible_from_end(spec.block_end(frames, num_frames)[:, None], frames[None, :])
 
 
 def teacher_forcing_visibility(spec: CausalSpec, num_frames: int) -> torch.Tensor:
     """[2T, 2T] bool for [clean 0..T-1 | noisy 0..T-1]."""
     clean_to_clean = sequence_visibility(spec, num_frames)
-    block = torch.arange(num_frames) // spec.block_size
+    block = spec.block_index(torch.arange(num_frames))
     noisy_to_clean = clean_to_clean & (block[None, :] < block[:, None])
     noisy_to_noisy = block[None, :] == block[:, None]
     top = torch.cat([clean_to_clean, torch.zeros_like(clean_to_clean)], dim=1)
@@ -512,7 +545,7 @@ class CausalAttention:
 
     def kv_cache(self, cache: KVCache, frame_offset: int, *, write: bool = False):
         """Forwards inside run one block at `frame_offset` over `cache`; `write` appends its K/V."""
-        if frame_offset % self.spec.block_size:
+        if not self.spec.block_start(frame_offset):
             raise ValueError(f"a cached block must start on a block boundary, got frame {frame_offset}")
         return self._use(_Mode("kv_cache", frame_offset, cache, write))
 
@@ -567,8 +600,9 @@ class CausalAttention:
         """One block of frames [s, e) over the visible cached frames plus itself."""
         s = layout.tokens_per_frame
         start, end = layout.frame_offset, layout.frame_offset + layout.num_frames
-        if layout.num_frames > self.spec.block_size:
-            raise ValueError(f"a cached forward holds one block ({self.spec.block_size} frames), got {layout.num_frames}")
+        block = self.spec.block_length(start)
+        if layout.num_frames > block:
+            raise ValueError(f"a cached forward holds one block ({block} frames), got {layout.num_frames}")
         cache = layout.cache
         segments = cache.segments.get(layer, []) if cache is not None else []
         keys, values = [], []

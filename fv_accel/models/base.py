@@ -45,11 +45,13 @@ class Conditioning:
     text_2_mask: Optional[torch.Tensor] = None  # [B, L2]
     extras: dict = field(default_factory=dict)  # family-specific tensors, [B, ...] each
 
-    # The text-derived fields: what `unconditional` zeros and what CFG dropout zeros in the data.
+    # The text-derived fields: what `unconditional` zeros.
     TEXT_FIELDS = ("text", "pooled_text", "text_2")
 
     def unconditional(self) -> "Conditioning":
-        """The text dropped (zeros); image conditions stay (they are not what guidance removes)."""
+        """The text zeroed; image conditions stay (they are not what guidance removes). Caption
+        dropout trains the pipeline's own unconditional text instead (the encoding of the family's
+        `unconditional_prompt`, stored by preprocessing; fv_accel/data/loader.py)."""
         return replace(
             self, **{name: torch.zeros_like(getattr(self, name)) for name in self.TEXT_FIELDS if getattr(self, name) is not None}
         )
@@ -125,6 +127,9 @@ class ModelBase:
     per_frame_refusal: ClassVar[str] = "its transformer takes one timestep per sample"
     # Whether ComfyUI has a LoRA key layout for the family (`comfyui_module_name` maps to it).
     comfyui_lora: ClassVar[bool] = False
+    # The prompt whose encoding the family's pipeline feeds its unconditional (classifier-free
+    # guidance) branch by default: what caption dropout (`training_cfg_rate`) trains on.
+    unconditional_prompt: ClassVar[str] = ""
 
     transformer: torch.nn.Module
     _trainable: bool = True
@@ -159,6 +164,12 @@ class ModelBase:
         from fv_accel.models.lora import to_comfyui
 
         return to_comfyui(state, metadata, cls.comfyui_module_name)
+
+    @classmethod
+    def pipeline_prompt(cls, caption: str) -> str:
+        """The text the family's pipeline encodes for a prompt: its text cleaning (none by default).
+        The family's encoder applies the same rule (`FamilyEncoder.pipeline_prompt`)."""
+        return caption
 
     @classmethod
     def transformer_class_names(cls) -> list[str]:

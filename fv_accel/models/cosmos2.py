@@ -48,6 +48,12 @@ def _pipeline_default(name: str) -> Any:
     return inspect.signature(Cosmos2VideoToWorldPipeline.__call__).parameters[name].default
 
 
+def _default_negative_prompt() -> str:
+    from diffusers.pipelines.cosmos.pipeline_cosmos2_video2world import DEFAULT_NEGATIVE_PROMPT
+
+    return DEFAULT_NEGATIVE_PROMPT
+
+
 # The pipeline's call defaults: the frame rate it gives the RoPE and the noise level of the
 # condition frames.
 PIPELINE_FPS: int = _pipeline_default("fps")
@@ -275,6 +281,8 @@ class Cosmos2Student(DiffusersStudent):
     latent_statistics_source = "vae/config.json and scheduler/scheduler_config.json (sigma_data)"
     # The leading latent frames given clean: the pipeline's `image=` input (one latent frame).
     condition_frames = 1
+    # Without a negative prompt the pipeline's unconditional branch encodes its DEFAULT_NEGATIVE_PROMPT.
+    unconditional_prompt = _default_negative_prompt()
 
     @classmethod
     def lora_pipeline_class(cls, kind: str) -> type:

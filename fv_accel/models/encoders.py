@@ -34,6 +34,15 @@ IMAGE_TO_VIDEO_PIPELINES = ("WanImageToVideoPipeline",)
 MASK_CHANNELS = 4
 
 
+def wan_prompt_clean(text: str) -> str:
+    """The text the Wan and SkyReels-V2 pipelines hand their tokenizer for a prompt: diffusers' own
+    `prompt_clean` (ftfy's text fixes, HTML unescaped twice, runs of whitespace made one space,
+    stripped)."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    return prompt_clean(text)
+
+
 @dataclass(frozen=True)
 class EncodingSpec:
     """What preprocessing stores for a model and at which geometry, from its configs alone."""
@@ -107,12 +116,14 @@ class FamilyEncoder:
     text_max_length: Optional[int] = None
 
     def caption_tokens(self, caption: str) -> Optional[int]:
-        """Tokens of `caption` before the cut to `text_max_length` (special tokens included), counted
-        with the family's tokenizer (`self.tokenizer`); None where the family does not count them."""
+        """Tokens of `caption` (as the pipeline encodes it: `pipeline_prompt`) before the cut to
+        `text_max_length` (special tokens included), counted with the family's tokenizer
+        (`self.tokenizer`); None where the family does not count them."""
         tokenizer = getattr(self, "tokenizer", None)
         if tokenizer is None or self.text_max_length is None:
             return None
-        return len(tokenizer(caption, add_special_tokens=True, truncation=False, verbose=False).input_ids)
+        text = self.pipeline_prompt(caption)
+        return len(tokenizer(text, add_special_tokens=True, truncation=False, verbose=False).input_ids)
 
     def encode_video(self, frames: np.ndarray) -> torch.Tensor:
         """uint8 [F, H, W, 3] -> the raw (un-normalised) latent [C, T, h, w], the posterior's mode."""
@@ -120,8 +131,14 @@ class FamilyEncoder:
 
     def encode_caption(self, caption: str) -> dict[str, torch.Tensor]:
         """The caption's columns: `text_embedding` [L, D] (real tokens only; the loader pads), and
-        where the family has them `pooled_text_embedding` [D] and `text_embedding_2` [L2, D2]."""
+        where the family has them `pooled_text_embedding` [D] and `text_embedding_2` [L2, D2];
+        computed from the caption as the family's pipeline computes a prompt's (its text cleaning
+        included)."""
         raise NotImplementedError
+
+    def pipeline_prompt(self, caption: str) -> str:
+        """The text the family's pipeline encodes for a prompt (its text cleaning; none here)."""
+        return caption
 
     def encode_frames_conditioning(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
         """Image-to-video columns of a clip ({} for a text-to-video model)."""
@@ -222,6 +239,9 @@ class TextVideoEncoder(FamilyEncoder):
     def encode_caption(self, caption: str) -> dict[str, torch.Tensor]:
         return {"text_embedding": self.encode_text(caption)}
 
+    def pipeline_prompt(self, caption: str) -> str:
+        return wan_prompt_clean(caption)
+
     def encode_frames_conditioning(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
         return self.encode_conditioning(frames)
 
@@ -238,9 +258,10 @@ class TextVideoEncoder(FamilyEncoder):
 
     @torch.no_grad()
     def encode_text(self, caption: str) -> torch.Tensor:
-        """[L, D] embeddings of the caption's real tokens (padding is added by the loader)."""
+        """[L, D] embeddings of the caption's real tokens (padding is added by the loader), the caption
+        cleaned as the Wan pipelines clean a prompt (`wan_prompt_clean`)."""
         tok = self.tokenizer(
-            [caption],
+            [self.pipeline_prompt(caption)],
             padding="max_length",
             max_length=self.text_max_length,
             truncation=True,

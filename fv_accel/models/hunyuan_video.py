@@ -19,7 +19,9 @@ What the stock `HunyuanVideoPipeline` (diffusers 0.42) does, and this family wit
   with the pipeline's `guidance_scale` (6.0 by default). Training feeds `models.student.guidance`,
   by default that same 6.0 (`HunyuanVideoStudent.guidance`); sample videos feed the validation's
   `guidance_scale` (HunyuanVideoPipeline's meaning of that argument: the embedded guidance,
-  no second classifier-free pass).
+  no second classifier-free pass). The pipeline's true classifier-free pass (`true_cfg_scale` > 1
+  with a negative prompt) encodes the negative prompt as a caption; caption dropout trains the
+  empty one's encoding (the family's `unconditional_prompt`, "").
 - Timesteps: one per sample. `timestep` goes through diffusers' `get_timestep_embedding`, which
   takes 1-D timesteps only, and the resulting [B, D] vector (plus guidance and pooled text) drives
   every block's AdaLN modulation and the token refiner for all tokens alike: no per-frame or

@@ -296,8 +296,9 @@ class HunyuanVideo15Student(DiffusersStudent):
     ) -> torch.Tensor:
         """Normalised latents [1, 32, T, h, w] from the stock HunyuanVideo15Pipeline around the live
         transformer, prompt embeddings precomputed (no text encoders), stepping with `scheduler`, its
-        classifier-free guider at `guidance_scale`. Without `negative`, guidance uses the
-        dropped (zero) text of training's CFG dropout."""
+        classifier-free guider at `guidance_scale`. `negative` is the encoded negative prompt
+        (validation's, the empty prompt by default, as the pipeline's own); without one the guider's
+        unconditional branch gets the zeroed text."""
         from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
 
         transformer = self._unwrapped()

@@ -1,16 +1,25 @@
 """The LTX-Video family: `LTXVideoTransformer3DModel` (Lightricks/LTX-Video 0.9.x, diffusers layout).
 
+Training calls the transformer as the pipeline class the repo's model_index.json names does
+(`repo_pipeline`): LTXPipeline (0.9.0 to 0.9.5 in diffusers' conversions) or LTXConditionPipeline
+(0.9.7), text-to-video.
+
 What differs from the contract's view, and where it is handled:
 - `forward`: the transformer takes packed tokens [B, S, C * pt * p * p] (`LTXPipeline._pack_latents`,
   frame-major: S = T/pt * H/p * W/p) plus the latent grid (`num_frames`, `height`, `width`) and
   returns packed tokens, unpacked with `LTXPipeline._unpack_latents`.
-- `forward`: rotary positions are scaled by `rope_interpolation_scale = (temporal VAE factor / frame
-  rate, spatial factor, spatial factor)`, as LTXPipeline computes it at its default frame rate 25.
+- `forward` (`positions`): under LTXPipeline the grid's rotary positions are scaled by
+  `rope_interpolation_scale = (temporal VAE factor / frame rate, spatial factor, spatial factor)`
+  (latent frame f at 8f / 25); under LTXConditionPipeline they are its `video_coords` (latent frame f
+  at pixel frame max(0, 8f - 7), over the frame rate: 0, 0.04, 0.36, ...), both at the pipelines'
+  default frame rate 25.
+- Text: T5 hidden states of the caption as the repo's pipeline class encodes a prompt (LTXPipeline:
+  128 tokens, the encoder run without a mask; LTXConditionPipeline: 256 tokens, with the mask), with
+  their attention mask in the transformer (`encoder_attention_mask`).
 - `forward`: timesteps are [B] or one per token [B, S] (its AdaLN runs per token); a per-frame [B, T]
   becomes per token by repeating each frame's value over its H/p * W/p tokens. Values are
   sigma * 1000, as LTXPipeline feeds `scheduler.timesteps`, and the output is the flow velocity
   eps - x0 (the pipeline steps `FlowMatchEulerDiscreteScheduler` with it): neither is converted.
-- `forward`: the text condition is T5 hidden states with their attention mask (`encoder_attention_mask`).
 - `latent_statistics`: latents are normalised as LTXPipeline does, (x - latents_mean) * scaling_factor
   / latents_std, with the VAE's `latents_mean`/`latents_std` *buffers* (in its safetensors file).
 - Training shift (the generic student's): the repo's scheduler shifts by resolution
@@ -36,11 +45,56 @@ from fv_accel.models.student import DiffusersStudent
 
 logger = logging.getLogger(__name__)
 
-# LTXPipeline's default `frame_rate`: with the VAE's 8x time compression it sets the temporal rotary
-# scale (8 / 25) of its samples; training uses the same scale whatever the clips' frame rate.
-LTX_FRAME_RATE = 25
-# LTXPipeline's default `max_sequence_length` for the T5 prompt.
-LTX_TEXT_MAX_LENGTH = 128
+# The pipeline classes an LTX-Video repo's model_index.json may name. diffusers' conversion script
+# (scripts/convert_ltx_to_diffusers.py) writes LTXPipeline for 0.9.0, 0.9.1 and 0.9.5 and
+# LTXConditionPipeline for 0.9.7; a repo without model_index.json (an inline config) is an LTXPipeline one.
+LTX_PIPELINE = "LTXPipeline"
+LTX_CONDITION_PIPELINE = "LTXConditionPipeline"
+LTX_PIPELINES = (LTX_PIPELINE, "LTXImageToVideoPipeline", LTX_CONDITION_PIPELINE)
+
+
+def pipeline_default(pipeline: str, name: str) -> Any:
+    """The default of argument `name` of the diffusers pipeline class `pipeline`'s `__call__`."""
+    import inspect
+
+    import diffusers
+
+    return inspect.signature(getattr(diffusers, pipeline).__call__).parameters[name].default
+
+
+# The pipelines' default `frame_rate` (25 in both): with the VAE's 8x time compression it sets the
+# temporal positions of their samples' latent frames; training uses them whatever the clips' frame rate.
+LTX_FRAME_RATE = pipeline_default(LTX_PIPELINE, "frame_rate")
+
+
+def repo_pipeline(model: Optional[str], revision: Optional[str] = None) -> str:
+    """The LTX pipeline class a repo's model_index.json names (LTXPipeline without one)."""
+    from fv_accel.models.loading import fetch_config
+
+    if model is None:
+        return LTX_PIPELINE
+    index = fetch_config(model, None, revision=revision, required=False, filename="model_index.json") or {}
+    name = index.get("_class_name") or LTX_PIPELINE
+    return name if name in LTX_PIPELINES else LTX_PIPELINE
+
+
+def condition_video_coords(
+    batch: int, latent_grid: tuple[int, int, int], patch: tuple[int, int], vae_factors: tuple[int, int],
+    frame_rate: float, device: torch.device,
+) -> torch.Tensor:
+    """[B, 3, S] token coordinates as LTXConditionPipeline builds its `video_coords` for a latent grid
+    (T, H, W) without conditions: latent frame f at pixel frame max(0, 8f - 7) over `frame_rate`, rows
+    and columns at 32 pixels per latent (the VAE's (spatial, temporal) factors), by the pipeline's
+    own `_prepare_video_ids` / `_scale_video_ids`."""
+    from diffusers import LTXConditionPipeline
+
+    p, pt = patch
+    spatial, temporal = vae_factors
+    ids = LTXConditionPipeline._prepare_video_ids(batch, *latent_grid, patch_size=p, patch_size_t=pt, device=device)
+    ids = LTXConditionPipeline._scale_video_ids(ids, scale_factor=spatial, scale_factor_t=temporal, frame_index=0, device=device)
+    coords = ids.float()
+    coords[:, 0] = coords[:, 0] * (1.0 / frame_rate)
+    return coords
 # AutoencoderKLLTXVideo's defaults (Lightricks/LTX-Video 0.9.0).
 DEFAULT_VAE_CONFIG = {"patch_size": 4, "patch_size_t": 1, "spatio_temporal_scaling": [True, True, True, False]}
 
@@ -102,21 +156,29 @@ class LTXCausalRotaryEmbedding(torch.nn.Module):
     0..T-1, the KV cache a block frames s..s+n-1 (the first s + n frames' table, sliced).
     """
 
-    def __init__(self, rope: torch.nn.Module, controller: Any):
+    def __init__(self, rope: torch.nn.Module, controller: Any, coords_for_grid: Any = None):
         super().__init__()
         self.inner = rope
         self.controller = controller
+        # (batch, token grid (T, H, W), device) -> `video_coords` [B, 3, S], for a student that passes
+        # coordinates (LTXConditionPipeline's): the positions of other frame counts come from it.
+        self.coords_for_grid = coords_for_grid
 
     def forward(self, hidden_states, num_frames=None, height=None, width=None, rope_interpolation_scale=None, video_coords=None):
         from fv_accel.models.attention import CausalRotary, TokenLayout
 
-        if video_coords is not None or num_frames is None:
-            raise ValueError("block-causal LTX attention needs the latent grid (num_frames, height, width), not video_coords")
+        if num_frames is None:
+            raise ValueError("block-causal LTX attention needs the latent grid (num_frames, height, width)")
+        if video_coords is not None and self.coords_for_grid is None:
+            raise ValueError("block-causal LTX attention got video_coords without the rule that makes them (coords_for_grid)")
         tokens_per_frame = height * width
         mode = self.controller.mode
 
         def table(frames: int):
-            return self.inner(hidden_states, frames, height, width, rope_interpolation_scale)
+            if video_coords is None:
+                return self.inner(hidden_states, frames, height, width, rope_interpolation_scale)
+            coords = self.coords_for_grid(hidden_states.shape[0], (frames, height, width), hidden_states.device)
+            return self.inner(hidden_states, video_coords=coords)
 
         if mode.kind == "sequence":
             freqs = table(num_frames)
@@ -162,9 +224,10 @@ class LTXCausalSelfAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def install_ltx_causal_attention(transformer: torch.nn.Module, spec: Any, backend: str = "auto") -> Any:
+def install_ltx_causal_attention(transformer: torch.nn.Module, spec: Any, backend: str = "auto", coords_for_grid: Any = None) -> Any:
     """Make an `LTXVideoTransformer3DModel` block-causal over latent frames; returns the controller
-    (fv_accel.models.attention.CausalAttention: rule, backends, layouts, KV cache)."""
+    (fv_accel.models.attention.CausalAttention: rule, backends, layouts, KV cache). `coords_for_grid`:
+    the student's `video_coords` rule, when it passes coordinates."""
     from fv_accel.models.attention import CausalAttention
 
     if int(transformer.config.patch_size_t) != 1:
@@ -172,7 +235,7 @@ def install_ltx_causal_attention(transformer: torch.nn.Module, spec: Any, backen
     if isinstance(transformer.rope, LTXCausalRotaryEmbedding):
         raise RuntimeError("block-causal attention is already installed on this transformer")
     controller = CausalAttention(spec, backend)
-    transformer.rope = LTXCausalRotaryEmbedding(transformer.rope, controller)
+    transformer.rope = LTXCausalRotaryEmbedding(transformer.rope, controller, coords_for_grid)
     for index, block in enumerate(transformer.transformer_blocks):
         block.attn1.set_processor(LTXCausalSelfAttnProcessor(controller, index))
     transformer.causal_attention = controller
@@ -216,8 +279,6 @@ def _vae_weights_file(model: str, revision: Optional[str]) -> Path:
 class LTXVideoEncoder(FamilyEncoder):
     """LTX-Video's VAE (`AutoencoderKLLTXVideo`) and T5 text encoder, eval mode, no grad."""
 
-    text_max_length = LTX_TEXT_MAX_LENGTH
-
     def __init__(
         self,
         model: str,
@@ -243,6 +304,14 @@ class LTXVideoEncoder(FamilyEncoder):
             self.vae.enable_tiling()
         self.tokenizer, self.text_encoder = load_text_encoder(model, revision=revision, torch_dtype=dtype, encoder_class=T5EncoderModel)
         self.text_encoder.to(self.device).eval().requires_grad_(False)
+        # The repo's own pipeline class encodes prompts (its T5 length, with or without the mask).
+        import diffusers
+
+        self.pipeline = repo_pipeline(model, revision)
+        self.text_pipeline = getattr(diffusers, self.pipeline)(
+            scheduler=None, vae=None, text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=None
+        )
+        self.text_max_length = int(pipeline_default(self.pipeline, "max_sequence_length"))
 
     @torch.no_grad()
     def encode_video(self, frames: np.ndarray) -> torch.Tensor:
@@ -254,20 +323,14 @@ class LTXVideoEncoder(FamilyEncoder):
 
     @torch.no_grad()
     def encode_caption(self, caption: str) -> dict[str, torch.Tensor]:
-        """{"text_embedding": [L, D]}: T5 hidden states of the caption's real tokens, computed as
-        LTXPipeline computes them (padded to 128 tokens, the encoder run without a mask)."""
-        tok = self.tokenizer(
-            [caption],
-            padding="max_length",
-            max_length=LTX_TEXT_MAX_LENGTH,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
+        """{"text_embedding": [L, D]}: T5 hidden states of the caption's real tokens, computed by the
+        repo's pipeline class's own `encode_prompt` at its default length (LTXPipeline: 128 tokens,
+        the encoder run without a mask; LTXConditionPipeline: 256 tokens, with the mask)."""
+        embeds, mask, _, _ = self.text_pipeline.encode_prompt(
+            caption, do_classifier_free_guidance=False, max_sequence_length=self.text_max_length, device=self.device
         )
-        hidden = self.text_encoder(tok.input_ids.to(self.device))[0]
-        length = int(tok.attention_mask.sum())
-        return {"text_embedding": hidden[0, :length].float().cpu()}
+        length = int(mask[0].sum())
+        return {"text_embedding": embeds[0, :length].float().cpu()}
 
     def encode_frames_conditioning(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
         return {}  # text-to-video only
@@ -283,11 +346,14 @@ class LTXVideoStudent(DiffusersStudent):
 
     family = "ltx_video"
     transformer_classes = {"ltx_video": LTXVideoTransformer3DModel}
-    pipeline_class_names = ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline")
+    pipeline_class_names = LTX_PIPELINES
     capabilities = Capabilities(per_frame_timesteps=True, causal_attention=True, image_conditioning=False)
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
     comfyui_lora = True
     frame_rate = LTX_FRAME_RATE
+    # The pipeline class the repo's model_index.json names (`configure`): training calls the
+    # transformer as that pipeline does.
+    pipeline = LTX_PIPELINE
 
     @classmethod
     def lora_pipeline_class(cls, kind: str) -> type:
@@ -365,6 +431,11 @@ class LTXVideoStudent(DiffusersStudent):
             timestep = torch.zeros(raw_latents.shape[0], device=raw_latents.device, dtype=raw_latents.dtype)
         return vae.decode(raw_latents, timestep, return_dict=False)[0]
 
+    def configure(self, config: Any) -> None:
+        st = self.student_config
+        self.pipeline = repo_pipeline(st.init_from, st.revision)
+        self.frame_rate = pipeline_default(self.pipeline, "frame_rate")
+
     def install_causal_attention(self, cfg: Any) -> None:
         """Block-causal self-attention (fv_accel/models/attention.py's rule and backends, LTX's own
         rotary embedding and projections), block size = method.chunk_size."""
@@ -374,7 +445,10 @@ class LTXVideoStudent(DiffusersStudent):
         st = self.student_config
         self.causal_block_size = parse_chunk_size(cfg.method.chunk_size)
         spec = CausalSpec(self.causal_block_size, st.local_attn_size, st.sink_size)
-        self.causal_attention = install_ltx_causal_attention(self.transformer, spec, st.causal_attention_backend)
+        coords = self.video_coords if self.pipeline == LTX_CONDITION_PIPELINE else None
+        self.causal_attention = install_ltx_causal_attention(
+            self.transformer, spec, st.causal_attention_backend, coords_for_grid=coords
+        )
 
     # ---- geometry ----
     def _vae_factors(self) -> tuple[int, int]:
@@ -397,6 +471,19 @@ class LTXVideoStudent(DiffusersStudent):
         config = self.transformer.config
         return int(config.patch_size), int(config.patch_size_t)
 
+    def video_coords(self, batch: int, grid: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+        """LTXConditionPipeline's `video_coords` [B, 3, S] for a token grid (T/pt, H/p, W/p)."""
+        p, pt = self._patch()
+        latent_grid = (grid[0] * pt, grid[1] * p, grid[2] * p)
+        return condition_video_coords(batch, latent_grid, (p, pt), self._vae_factors(), self.frame_rate, device)
+
+    def positions(self, batch: int, grid: tuple[int, int, int], device: torch.device) -> dict[str, Any]:
+        """The transformer's position input as the repo's pipeline passes it: LTXConditionPipeline's
+        `video_coords`, LTXPipeline's `rope_interpolation_scale` (with the grid, passed by `forward`)."""
+        if self.pipeline == LTX_CONDITION_PIPELINE:
+            return {"video_coords": self.video_coords(batch, grid, device)}
+        return {"rope_interpolation_scale": self.rope_interpolation_scale}
+
     # ---- training ----
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The velocity eps - x0 for x_t [B, C, T, H, W] at t ([B] or per latent frame [B, T])."""
@@ -417,8 +504,8 @@ class LTXVideoStudent(DiffusersStudent):
             num_frames=grid[0],
             height=grid[1],
             width=grid[2],
-            rope_interpolation_scale=self.rope_interpolation_scale,
             return_dict=False,
+            **self.positions(x_t.shape[0], grid, x_t.device),
         )[0]
         return unpack_latents(out, grid, p, pt)
 
@@ -438,22 +525,24 @@ class LTXVideoStudent(DiffusersStudent):
         generator: torch.Generator,
         first_frame: Any = None,
     ) -> torch.Tensor:
-        """Normalised latents [1, C, T, h, w] through LTXPipeline around the live transformer, stepping
-        with `scheduler` (by default the repo's: resolution-dependent shift, terminal stretch), prompt
-        embeddings and masks precomputed."""
-        from diffusers import LTXPipeline
+        """Normalised latents [1, C, T, h, w] through the repo's pipeline class (LTXPipeline or
+        LTXConditionPipeline, text-to-video) around the live transformer, stepping with `scheduler`
+        (by default the repo's: resolution-dependent shift, terminal stretch), prompt embeddings and
+        masks precomputed."""
+        import diffusers
 
         from fv_accel.sampling import pipeline_latents
 
         if first_frame is not None:
             raise ValueError("the LTX-Video family samples text-to-video only (no first frame)")
-        pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=self.transformer)
+        pipeline_class = getattr(diffusers, self.pipeline if self.pipeline == LTX_CONDITION_PIPELINE else LTX_PIPELINE)
+        pipe = pipeline_class(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=self.transformer)
 
         def mask_of(c: Conditioning) -> torch.Tensor:
             return c.text_mask if c.text_mask is not None else torch.ones(c.text.shape[:2], device=c.text.device)
 
         use_negative = negative is not None and guidance_scale > 1.0
-        packed = pipeline_latents(
+        latents = pipeline_latents(
             pipe,
             cond.text,
             negative.text if use_negative else None,
@@ -467,7 +556,9 @@ class LTXVideoStudent(DiffusersStudent):
             negative_prompt_attention_mask=mask_of(negative) if use_negative else None,
             frame_rate=self.frame_rate,
         )
+        if self.pipeline == LTX_CONDITION_PIPELINE:
+            return latents  # LTXConditionPipeline's latent output is unpacked already
         spatial, temporal = self._vae_factors()
         p, pt = self._patch()
         grid = ((num_frames - 1) // temporal + 1, height // spatial, width // spatial)
-        return unpack_latents(packed, (grid[0] // pt, grid[1] // p, grid[2] // p), p, pt)
+        return unpack_latents(latents, (grid[0] // pt, grid[1] // p, grid[2] // p), p, pt)

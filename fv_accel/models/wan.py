@@ -4,6 +4,10 @@ How per-frame timesteps reach the transformer (REFERENCE.md section 5):
 - `WanTransformer3DModel` takes [B] or per token [B, F'*H'*W']; tokens are frame-major, so a
   per-frame [B, T] becomes per-token with `repeat_interleave(H' * W', dim=1)`.
 - `SkyReelsV2Transformer3DModel` takes [B, T] with `enable_diffusion_forcing=True`.
+
+SkyReels-V2 models whose config sets `inject_sample_info` (diffusers' conversion of
+SkyReels-V2-DF-1.3B-540P) embed a frame rate: every forward passes the index the diffusion-forcing
+pipelines pass at their default 24 fps (`SKYREELS_FPS_INDEX`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,26 @@ TRANSFORMER_CLASSES = {
     "skyreels_v2": SkyReelsV2Transformer3DModel,
 }
 CLASS_NAME_TO_KIND = {cls.__name__: kind for kind, cls in TRANSFORMER_CLASSES.items()}
+
+
+def _skyreels_sample_fps() -> int:
+    """The `fps` SkyReelsV2DiffusionForcingPipeline samples at by default (its `__call__` default, 24)."""
+    import inspect
+
+    from diffusers import SkyReelsV2DiffusionForcingPipeline
+
+    return int(inspect.signature(SkyReelsV2DiffusionForcingPipeline.__call__).parameters["fps"].default)
+
+
+def skyreels_fps_index(fps: int) -> int:
+    """The index of `fps` in a SkyReels-V2 transformer's 2-entry fps embedding (`inject_sample_info`), as
+    the diffusion-forcing pipelines encode it: 0 for 16 fps, 1 for any other rate."""
+    return 0 if fps == 16 else 1
+
+
+# SkyReels-V2 models with `inject_sample_info` (SkyReels-V2-DF-1.3B-540P) take this fps index with
+# every call: the pipeline's default rate, the one their samples are drawn at.
+SKYREELS_FPS_INDEX = skyreels_fps_index(_skyreels_sample_fps())
 
 
 def build_transformer(cfg: StudentConfig, subfolder: Optional[str] = None) -> tuple[torch.nn.Module, str]:
@@ -267,6 +291,13 @@ class WanStudent(DiffusersStudent):
     def comfyui_module_name(cls, module: str) -> str:
         return wan_comfyui_module_name(module)
 
+    @classmethod
+    def pipeline_prompt(cls, caption: str) -> str:
+        """The Wan and SkyReels-V2 pipelines' `prompt_clean` (fv_accel.models.encoders.wan_prompt_clean)."""
+        from fv_accel.models.encoders import wan_prompt_clean
+
+        return wan_prompt_clean(caption)
+
     # ---- preprocessing and validation ----
     @classmethod
     def encoding_spec(cls, model: str, revision: Optional[str] = None) -> Any:
@@ -316,6 +347,8 @@ class WanStudent(DiffusersStudent):
     def configure(self, config: Any) -> None:
         self.condition_channels = int(config.in_channels) - self.in_channels  # mask + condition latent (I2V)
         self.uses_image_features = config.get("image_dim") is not None
+        # SkyReels-V2-DF-1.3B's fps embedding (diffusers' conversion sets `inject_sample_info`).
+        self.injects_sample_info = bool(config.get("inject_sample_info", False))
         self.task = self._resolve_task(self.student_config)
         self.capabilities = Capabilities(
             per_frame_timesteps=True, causal_attention=True, image_conditioning=self.task == "i2v",
@@ -334,8 +367,15 @@ class WanStudent(DiffusersStudent):
                 "student one expert at a time (high_noise, low_noise)"
             )
         self.causal_block_size = parse_chunk_size(cfg.method.chunk_size)
-        spec = CausalSpec(self.causal_block_size, st.local_attn_size, st.sink_size)
+        # A clean condition frame is a block of its own, the chunks follow it (as DFSFT's noise chunks).
+        spec = CausalSpec(self.causal_block_size, st.local_attn_size, st.sink_size, prefix_frames=self.condition_frames)
         self.causal_attention = install_causal_attention(self.transformer, spec, st.causal_attention_backend)
+
+    @property
+    def condition_frames(self) -> int:
+        """Leading latent frames given clean: the first frame, for image-to-video on an
+        `expand_timesteps` model (Wan2.2-TI2V-5B); 0 otherwise."""
+        return 1 if self.task == "i2v" and self.layout.expand_timesteps and not self.condition_channels else 0
 
     def input_dtype_of(self, module: torch.nn.Module) -> torch.dtype:
         # The patch embedding's dtype, not the first parameter's: diffusers keeps some tables in fp32.
@@ -413,8 +453,8 @@ class WanStudent(DiffusersStudent):
         cond = super().build_conditioning(batch)
         if self.task != "i2v":
             return cond
-        if self.layout.expand_timesteps and not self.condition_channels:
-            cond.clean_frames = 1  # the first latent frame is the condition itself
+        if self.condition_frames:
+            cond.clean_frames = self.condition_frames  # the first latent frame is the condition itself
         else:
             first = batch.get("first_frame_latent")
             if first is None:
@@ -494,6 +534,10 @@ class WanStudent(DiffusersStudent):
             extra["encoder_hidden_states_image"] = cond.image.to(dtype)
         if expert is not None:
             extra["expert"] = expert
+        if self.injects_sample_info:
+            # One entry for the whole batch, broadcast by the transformer (under diffusion forcing
+            # its per-sample list broadcasts against [B, T] timesteps only for batch 1).
+            extra["fps"] = [SKYREELS_FPS_INDEX]
         per_frame = t.ndim == 2 and t_in.ndim == 2
         for embedding in self.per_frame_time_embeddings if per_frame else ():
             embedding.tokens_per_frame = t_in.shape[1] // t.shape[1]

@@ -35,7 +35,9 @@ def tiny_dataset_dir(data_cfg, cache_dir: Optional[str] = None) -> Path:
         "h": data_cfg.tiny_height,
         "w": data_cfg.tiny_width,
         "seed": data_cfg.seed,
-        "v": 4,  # 4: the tiny Wan model ships the real repo's UniPC scheduler (fv_accel.tiny.model)
+        # 4: the tiny Wan model ships the real repo's UniPC scheduler (fv_accel.tiny.model);
+        # 5: unconditional_text.safetensors beside the shards
+        "v": 5,
     }
     key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir or data_cfg.tiny_cache_dir or default_cache_dir())

@@ -88,10 +88,12 @@ class TinyVariant:
     # The real repo's scheduler: UniPCMultistepScheduler with flow sigmas at `flow_shift` (see
     # `build_scheduler` for where each value comes from).
     flow_shift: float = 3.0
+    # Transformer config flags the real checkpoint sets (from diffusers' conversion script of the repo).
+    transformer_flags: tuple[tuple[str, object], ...] = ()
 
     def transformer_config(self) -> dict:
         config = tiny_transformer_config()
-        config.update(in_channels=self.in_channels, out_channels=self.out_channels)
+        config.update(in_channels=self.in_channels, out_channels=self.out_channels, **dict(self.transformer_flags))
         if self.image_encoder:
             # As in Wan2.1-I2V-14B: image_dim is the CLIP width, added_kv_proj_dim the transformer's.
             config.update(
@@ -153,6 +155,8 @@ TINY_MODELS: dict[str, TinyVariant] = {
             "SkyReelsV2DiffusionForcingPipeline",
             transformer_class="SkyReelsV2Transformer3DModel",
             flow_shift=8.0,
+            # scripts/convert_skyreelsv2_to_diffusers.py, SkyReels-V2-DF-1.3B-540P: the fps embedding.
+            transformer_flags=(("inject_sample_info", True),),
         ),
     )
 }
