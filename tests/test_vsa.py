@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fv_accel import vsa
+from fv_accel.models.wan import SKYREELS_FPS_INDEX
 from fv_accel.vsa import enable_vsa, load_vsa_gates, video_sparse_attention
 
 CPU_BACKENDS = ("reference", "gathered", "flex")
@@ -162,6 +163,8 @@ def tiny_inputs(transformer, frames=5, height=12, width=14, seed=0, per_token_ti
     kwargs = dict(hidden_states=x, timestep=t, encoder_hidden_states=torch.randn(1, 512, cfg.text_dim, generator=g))
     if cfg.image_dim is not None:
         kwargs["encoder_hidden_states_image"] = torch.randn(1, 17, cfg.image_dim, generator=g)
+    if getattr(cfg, "inject_sample_info", False):
+        kwargs["fps"] = [SKYREELS_FPS_INDEX]  # SkyReels-V2 DF: the fps index its pipeline passes
     return kwargs
 
 
