@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
+from tests.launch_helpers import ANY_FREE_PORT
 
 PROMPT = "a white square moving up on a light background"
 
@@ -532,7 +533,7 @@ def test_two_processes_split_the_heldout_set_and_sample_on_rank_zero(tmp_path):
     accelerate = Path(sys.executable).parent / "accelerate"
     proc = subprocess.run(
         [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
-         "--num_processes", "2", str(driver), json.dumps(over), str(tmp_path / "record")],
+         "--num_processes", "2", *ANY_FREE_PORT, str(driver), json.dumps(over), str(tmp_path / "record")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
