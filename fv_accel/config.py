@@ -971,8 +971,9 @@ def parse_cli(argv: list[str], method: str) -> tuple[RunConfig, dict]:
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg in ("-h", "--help"):
-            raise SystemExit(_HELP.format(method=method))
+        if arg in ("-h", "--help"):  # on stdout, exit status 0, as argparse does
+            print(_HELP.format(method=method), end="")
+            raise SystemExit(0)
         if not arg.startswith("--"):
             raise ConfigError(f"command line: unexpected argument {arg!r} (options start with --)")
         name, eq, inline = arg[2:].partition("=")
