@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 
 def needs_exit_without_teardown(accelerator: Any = None) -> bool:
@@ -74,6 +74,7 @@ def quiet_libraries() -> None:
     - peft imports bitsandbytes whenever it is installed, and bitsandbytes then warns, on a CPU with
       AVX512-BF16, that the `kernels` package of its 4-bit CPU matmul is missing; fv_accel runs no
       4-bit matmul (its 8-bit optimizer warns nothing), so that logger shows errors only;
+    - Accelerate's per-file lines when it saves or loads a checkpoint;
     - the messages of UNASKED_MESSAGES;
     - where stderr is not a terminal (a log file, a pipe), the download and weight-loading bars of
       huggingface_hub and transformers, whose carriage returns would fill the log."""
@@ -82,6 +83,10 @@ def quiet_libraries() -> None:
         return
     _quieted = True
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # Accelerate's info lines on saving and loading state (five a checkpoint, one per file): the
+    # trainer's own line names the checkpoint.
+    for name in ("accelerate.checkpointing", "accelerate.accelerator"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     for name, parts in UNASKED_MESSAGES.items():
         logging.getLogger(name).addFilter(_DropMessages(*parts))
     if not stderr_is_terminal():
@@ -89,7 +94,9 @@ def quiet_libraries() -> None:
         # ones are switched off directly.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         if "huggingface_hub" in sys.modules:
-            sys.modules["huggingface_hub"].utils.disable_progress_bars()
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
         if "transformers" in sys.modules:
             from transformers.utils import logging as transformers_logging
 

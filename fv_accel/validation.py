@@ -739,8 +739,8 @@ class VideoSamplingCallback(TrainerCallback):
             for text in texts:
                 columns = {k: v.float().cpu() for k, v in encoder.encode_caption(text).items()}
                 self.embeddings[text] = prompt_columns(columns, self.cfg.training.data.text_max_length)
-        # All of it in fp32 with `.float()`: diffusers' `.to` given a dtype warns about the modules a
-        # model keeps in fp32, a list that is empty or already fp32 here.
+        # All of it in fp32 with `.float()`: diffusers' `.to` given a dtype warns, at every call,
+        # about the modules a model keeps in fp32 (here fp32 like the rest).
         self.vae = encoder.vae.to("cpu").float().eval().requires_grad_(False)
         self.spatial, self.temporal = int(encoder.spec.scale_factor_spatial), int(encoder.spec.scale_factor_temporal)
         del encoder

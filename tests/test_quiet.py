@@ -2,7 +2,8 @@
 - importing the package writes nothing to stderr and imports no optional library;
 - every command's `--help` writes its usage to stdout and nothing to stderr;
 - the libraries' unasked lines (bitsandbytes' kernel notice, DeepSpeed's accelerator detection,
-  transformers' torchvision fallback) are dropped; progress in a log file is plain lines;
+  transformers' torchvision fallback, Accelerate's per-file checkpoint lines) are dropped; progress
+  in a log file is plain lines;
 - FSDP2's wrapped modules (each Wan block, the transformer) return tensors of their own, not views;
 - a 2-process FSDP2 run launched while another process listens on port 29500 (Accelerate's
   default) passes, and its redirected log holds none of the lines above, no carriage return and
@@ -81,10 +82,12 @@ def test_the_libraries_unasked_lines_are_dropped(caplog):
         logging.getLogger("DeepSpeed").warning("Setting accelerator to CPU. If you have GPU or other accelerator, ...")
         logging.getLogger("DeepSpeed").info("Setting ds_accelerator to cuda (auto detect)")
         logging.getLogger("transformers.utils.import_utils").warning("`CLIPImageProcessor` requires torchvision (not installed); ...")
+        logging.getLogger("accelerate.checkpointing").info("Model weights saved in out/checkpoint-2/model.safetensors")
         # Everything else on those loggers still shows.
         logging.getLogger("DeepSpeed").warning("ZeRO stage 3 is on")
         logging.getLogger("bitsandbytes.backends.cpu.ops").error("a real error")
-    assert [r.getMessage() for r in caplog.records] == ["ZeRO stage 3 is on", "a real error"]
+        logging.getLogger("accelerate.checkpointing").warning("a real warning")
+    assert [r.getMessage() for r in caplog.records] == ["ZeRO stage 3 is on", "a real error", "a real warning"]
 
 
 def test_progress_is_a_bar_on_a_terminal_and_plain_lines_in_a_log(monkeypatch):
