@@ -60,6 +60,7 @@ HELP_COMMANDS = [
 ]
 
 
+@pytest.mark.slow
 def test_every_command_help_is_quiet():
     """Usage on stdout, exit status 0, nothing on stderr (the commands run side by side)."""
     procs = [
