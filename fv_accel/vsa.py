@@ -79,6 +79,32 @@ def check_sparsity(sparsity: Any, what: str = "sparsity") -> float:
     return float(sparsity)
 
 
+def ramp_sparsity(step: int, sparsity: float, decay_rate: float = 0.0, decay_interval_steps: int = 0) -> float:
+    """The training sparsity of optimizer step `step` (1-based, as logged): `sparsity` throughout
+    when `decay_rate` is 0, else `min(sparsity, decay_rate * floor(step / decay_interval_steps))`,
+    the ramp of FastVideo's VSA docs. It depends on the step alone, so a resumed run continues it."""
+    if decay_rate <= 0:
+        return float(sparsity)
+    return float(min(sparsity, decay_rate * (int(step) // int(decay_interval_steps))))
+
+
+@dataclass(frozen=True)
+class VSAMetadata:
+    """What a training forward attends with under VSA (the methods' `attn_metadata_vsa`): the
+    token grid, the tiles along t, h, w and the step's sparsity."""
+
+    grid: tuple[int, int, int]
+    tiles: tuple[int, int, int]
+    sparsity: float
+
+    @classmethod
+    def of(cls, latent_shape: Any, patch_size: tuple[int, int, int], sparsity: float) -> "VSAMetadata":
+        """From a latent shape [B, C, T, H, W] and the transformer's (t, h, w) patch."""
+        grid = tuple(int(n) // int(p) for n, p in zip(tuple(latent_shape)[2:], patch_size))
+        tiles = tuple(math.ceil(g / t) for g, t in zip(grid, TILE_SIZE))
+        return cls(grid, tiles, float(sparsity))  # type: ignore[arg-type]
+
+
 def check_backend(backend: Any) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"VSA backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -750,10 +776,28 @@ def is_gate_key(key: str) -> bool:
     return f".{GATE_NAME}." in key
 
 
-def _read_gate_tensors(source: Union[str, Path, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+# The prefix of transformer keys in diffusers' LoRA files (`pytorch_lora_weights.safetensors`),
+# where a LoRA run with VSA keeps its trained gates beside the adapter.
+LORA_FILE_PREFIX = "transformer."
+
+
+def gate_key_to_ours(key: str) -> str:
+    """A gate key of any checkpoint we read (ours, FastWan's, a LoRA file's) -> the transformer's."""
+    if key.startswith(LORA_FILE_PREFIX):
+        key = key[len(LORA_FILE_PREFIX):]
+    return fastwan_key_to_ours(key)
+
+
+def gate_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The gates of a transformer state dict, detached fp32 copies on the CPU (what a LoRA run
+    writes beside its adapter)."""
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items() if is_gate_key(k)}
+
+
+def read_gate_tensors(source: Union[str, Path, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The gate tensors (our names) of a state dict, or of the safetensors files of a folder."""
     if isinstance(source, Mapping):
-        return {fastwan_key_to_ours(k): v for k, v in source.items() if is_gate_key(k)}
+        return {gate_key_to_ours(k): v for k, v in source.items() if is_gate_key(k)}
     from safetensors import safe_open
 
     folder = Path(source)
@@ -765,7 +809,7 @@ def _read_gate_tensors(source: Union[str, Path, Mapping[str, torch.Tensor]]) -> 
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if is_gate_key(key):
-                    out[fastwan_key_to_ours(key)] = f.get_tensor(key)
+                    out[gate_key_to_ours(key)] = f.get_tensor(key)
     return out
 
 
@@ -776,7 +820,7 @@ def load_vsa_gates(transformer: torch.nn.Module, source: Union[str, Path, Mappin
     the transformer must be found, or nothing is loaded."""
     if vsa_controller(transformer) is None:
         raise RuntimeError("load_vsa_gates: call enable_vsa(transformer, sparsity) first")
-    gates = _read_gate_tensors(source)
+    gates = read_gate_tensors(source)
     own = {k: v for k, v in transformer.state_dict().items() if is_gate_key(k)}
     missing = sorted(set(own) - set(gates))
     if missing:

@@ -336,6 +336,11 @@ class WanStudent(DiffusersStudent):
         transformer, kind = build_transformer(st, self._subfolder(st))
         return transformer, kind, [transformer]
 
+    def weight_subfolders(self) -> list[Optional[str]]:
+        if self.expert == "both":
+            return [EXPERT_SUBFOLDERS["high_noise"], EXPERT_SUBFOLDERS["low_noise"]]
+        return [self._subfolder(self.student_config) or None]
+
     def training_shift(self, latent_shape: torch.Size) -> float:
         """`models.student.flow_shift`, else FastVideo's Wan default (REFERENCE.md section 1)."""
         st = self.student_config
