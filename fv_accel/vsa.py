@@ -833,3 +833,45 @@ def load_vsa_gates(transformer: torch.nn.Module, source: Union[str, Path, Mappin
             )
     transformer.load_state_dict({k: gates[k] for k in own}, strict=False)
     return len(own)
+
+
+# The adapter file of a LoRA run (diffusers' LORA_WEIGHT_NAME_SAFE); with VSA it holds the gates too.
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def load_vsa_lora(
+    pipe: Any,
+    source: Union[str, Path],
+    sparsity: float,
+    *,
+    backend: str = "auto",
+    weight_name: str = LORA_FILE,
+    adapter_name: Optional[str] = None,
+) -> VSAController:
+    """Load the LoRA of a run trained with VSA (its adapter file holds the adapter and the trained
+    gates, `transformer.blocks.N.attn1.to_gate_compress.*`) into a diffusers pipeline:
+    `enable_vsa(pipe.transformer, sparsity)`, the gates, then the adapter through the transformer's
+    `load_lora_adapter` with the file's adapter metadata (alpha as trained). diffusers'
+    `load_lora_weights` refuses a file with keys that are not LoRA's. `source`: the file, or the
+    folder holding `weight_name`. Returns the controller."""
+    import json
+
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+    from safetensors import safe_open
+
+    path = Path(source)
+    path = path / weight_name if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"load_vsa_lora: no LoRA file at {path}")
+    with safe_open(str(path), framework="pt") as f:
+        state = {gate_key_to_ours(k) if is_gate_key(k) else k: f.get_tensor(k) for k in f.keys()}
+        raw = (f.metadata() or {}).get(LORA_ADAPTER_METADATA_KEY)
+    gates = {k: v for k, v in state.items() if is_gate_key(k)}
+    if not gates:
+        raise KeyError(f"load_vsa_lora: {path} holds no VSA gates (to_gate_compress): load it with load_lora_weights")
+    metadata = json.loads(raw) if raw else None  # keys `transformer.<field>`, as load_lora_adapter reads them
+    controller = enable_vsa(pipe.transformer, sparsity, backend)
+    load_vsa_gates(pipe.transformer, gates)
+    adapter = {k: v for k, v in state.items() if not is_gate_key(k)}
+    pipe.transformer.load_lora_adapter(adapter, prefix="transformer", metadata=metadata, adapter_name=adapter_name)
+    return controller

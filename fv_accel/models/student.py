@@ -79,6 +79,14 @@ def inline_transformer_kwargs(cls: type, config: dict) -> dict:
     return {k: v for k, v in config.items() if not str(k).startswith("_")}
 
 
+def vsa_record(cfg: RunConfig) -> Optional[dict]:
+    """How the run used video sparse attention (`training.vsa`, for exports and the model card); None when dense."""
+    spec = cfg.training.vsa
+    if not spec.enabled:
+        return None
+    return {"sparsity": spec.sparsity, "decay_rate": spec.decay_rate, "decay_interval_steps": spec.decay_interval_steps}
+
+
 def init_weights_folder(st: StudentConfig, subfolder: Optional[str]) -> Path:
     """The local folder of `init_from`'s weights in `subfolder` (a Hub id: its snapshot in the
     Hugging Face cache, which loading the transformer has filled)."""
@@ -413,7 +421,33 @@ class DiffusersStudent(ModelBase):
             full = accelerator.get_state_dict(self.transformer)
         module = self._unwrapped(accelerator)
         state = adapter_state_dict(module, full_state_dict=full)
-        return deployable_lora(state, adapter_metadata(module), self.pissa_init_adapter)
+        state, metadata = deployable_lora(state, adapter_metadata(module), self.pissa_init_adapter)
+        return {**state, **self.gate_state(module, full)}, metadata
+
+    def gate_state(self, module: torch.nn.Module, full_state_dict: Optional[dict] = None) -> dict[str, torch.Tensor]:
+        """Under VSA, the trained gates of `module` (they train beside a LoRA adapter and are written
+        in its file, `transformer.blocks.N.attn1.to_gate_compress.*`); nothing when dense."""
+        from fv_accel.vsa import gate_state
+
+        if not self.vsa_controllers:
+            return {}
+        return gate_state(full_state_dict if full_state_dict is not None else module.state_dict())
+
+    def load_adapter_and_gates(self, module: torch.nn.Module, state: dict, metadata: Optional[dict]) -> None:
+        """Restore a LoRA file's adapter (`trained_part_of_deployable`) and, under VSA, its gates."""
+        from fv_accel.models.lora import set_adapter_state_dict, trained_part_of_deployable
+        from fv_accel.vsa import is_gate_key, load_vsa_gates
+
+        gates = {k: v for k, v in state.items() if is_gate_key(k)}
+        adapter = {k: v for k, v in state.items() if not is_gate_key(k)}
+        if gates and not self.vsa_controllers:
+            raise ValueError(
+                f"the checkpoint's LoRA file holds VSA gates ({next(iter(gates))}) but training.vsa.sparsity is 0: "
+                "resume with the run's training.vsa settings"
+            )
+        set_adapter_state_dict(module, trained_part_of_deployable(adapter, metadata, self.student_config.lora))
+        if self.vsa_controllers:
+            load_vsa_gates(module, gates)
 
     def check_lora_file_rank(self, metadata: Optional[dict]) -> None:
         lora = self.student_config.lora
@@ -426,11 +460,9 @@ class DiffusersStudent(ModelBase):
             )
 
     def load_lora_files_state(self, state: dict, metadata: Optional[dict]) -> None:
-        """Restore the trained adapter from a file written by `lora_files_state` (resume)."""
-        from fv_accel.models.lora import set_adapter_state_dict, trained_part_of_deployable
-
+        """Restore the trained adapter (and VSA gates) from a file written by `lora_files_state` (resume)."""
         self.check_lora_file_rank(metadata)
-        set_adapter_state_dict(self._unwrapped(), trained_part_of_deployable(state, metadata, self.student_config.lora))
+        self.load_adapter_and_gates(self._unwrapped(), state, metadata)
 
     def lora_files(self, state: dict) -> dict[str, dict]:
         """File-name suffix -> the part of the adapter state written under it."""
@@ -464,6 +496,7 @@ class DiffusersStudent(ModelBase):
             "torch_dtype": st.torch_dtype,
             "model_class": self.kind,
             "transformer_config": None if st.init_from is not None else st.transformer_config,
+            "vsa": vsa_record(self.run_config),
         }
 
     # ---- outputs ----
