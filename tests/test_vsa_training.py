@@ -376,3 +376,24 @@ def test_two_processes_equal_one_process_with_vsa(tiny_data_path, tmp_path):
         assert one["logged"][step]["loss"] == pytest.approx(mean, abs=1e-5)
     for record in (records[0], one):
         assert [m["vsa_sparsity"] for m in metrics(Path(record["output_dir"])) if "loss" in m] == [0.75] * len(one["logged"])
+
+
+@pytest.mark.multiproc
+def test_fsdp2_saves_the_trained_gates_full_and_lora(tiny_data_path, tmp_path):
+    """Under FSDP2 the final transformer is rebuilt from the gathered state dict (with VSA enabled,
+    so the gates load) and the LoRA file gathers the gates too; the full run's weights equal one process's."""
+    from tests.test_distributed import LORA, RECIPES, WEIGHT_TOL, _single_process, launch, overrides
+
+    runs = [
+        {"name": "full_vsa_fsdp2", "recipe": RECIPES["finetune"], "engine": "fsdp2",
+         "overrides": overrides(tmp_path / "full_vsa_fsdp2", **VSA, **{"training.data.train_batch_size": 1})},
+        {"name": "lora_vsa_fsdp2", "recipe": RECIPES["finetune"], "engine": "fsdp2",
+         "overrides": overrides(tmp_path / "lora_vsa_fsdp2", **VSA, **LORA)},
+    ]
+    launch("accelerate_configs/fsdp2.yaml", runs, tmp_path, "--mixed_precision", "no")
+    full = load_file(str(tmp_path / "full_vsa_fsdp2" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    _, one = _single_process("full_vsa_batch2", "finetune", tmp_path, **VSA, **{"training.data.train_batch_size": 2})
+    assert sorted(full) == sorted(one) and sum(vsa.is_gate_key(k) for k in full) == 4
+    assert max((full[k].float() - one[k]).abs().max().item() for k in one) < WEIGHT_TOL
+    lora_gates = gate_tensors(tmp_path / "lora_vsa_fsdp2" / "pytorch_lora_weights.safetensors")
+    assert len(lora_gates) == 4 and all(t.abs().max() > 0 for t in lora_gates.values())

@@ -542,6 +542,10 @@ class DiffusersStudent(ModelBase):
 
                 with init_empty_weights():
                     plain = self.transformer_classes[self.kind].from_config(unwrapped.config)
+                    if self.vsa_controllers:  # the gates are part of the trained weights
+                        from fv_accel.vsa import enable_vsa
+
+                        enable_vsa(plain, self.vsa_controllers[0].sparsity, self.vsa_controllers[0].backend)
                 plain.load_state_dict(state_dict, strict=True, assign=True)
                 unwrapped = plain
             unwrapped.save_pretrained(out, safe_serialization=True)
