@@ -654,7 +654,9 @@ class WanVSAProcessor:
         else:
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
         query, key = attn.norm_q(query), attn.norm_k(key)
-        gate = getattr(attn, GATE_NAME)(hidden_states)
+        gate_layer = getattr(attn, GATE_NAME)
+        # A LoRA run trains the gate in fp32 beside a low-precision base: its input follows its weight.
+        gate = gate_layer(hidden_states.to(gate_layer.weight.dtype))
         query, key, value, gate = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value, gate))
         query = _apply_rotary(query, *rotary_emb)
         key = _apply_rotary(key, *rotary_emb)

@@ -401,3 +401,14 @@ def test_fsdp2_saves_the_trained_gates_full_and_lora(tiny_data_path, tmp_path):
     assert max((full[k].float() - one[k]).abs().max().item() for k in one) < WEIGHT_TOL
     lora_gates = gate_tensors(tmp_path / "lora_vsa_fsdp2" / "pytorch_lora_weights.safetensors")
     assert len(lora_gates) == 4 and all(t.abs().max() > 0 for t in lora_gates.values())
+
+
+def test_lora_on_a_bfloat16_base_trains_fp32_gates(tmp_path):
+    over = tiny_overrides(tmp_path, **VSA, **{"models.student.torch_dtype": "bfloat16", "models.student.lora.enable": True,
+                                               "training.loop.max_train_steps": 1, "training.optimizer.lr_warmup_steps": 0})
+    run = build(default_recipe("finetune"), over)
+    gates = [p for n, p in run.method.student.transformer.named_parameters() if vsa.is_gate_key(n)]
+    assert len(gates) == 4 and all(p.dtype == torch.float32 and p.requires_grad for p in gates)
+    summary = Trainer(run).run()
+    assert torch.isfinite(torch.tensor(summary["last_loss"]))
+    assert all(p.abs().max() > 0 for p in gates)
