@@ -213,8 +213,8 @@ def _vsa_snippet(where: str, lora: bool, sparsity: float, subfolder: str = "tran
             "before sampling, then load the trained gates (`from_pretrained` drops them; a Hub repo: its local "
             "snapshot folder):", "",
             "```python", "from fv_accel.vsa import enable_vsa, load_vsa_gates", "",
-            f"enable_vsa(pipe.transformer, sparsity={sparsity:g})",
-            f'load_vsa_gates(pipe.transformer, "{where}/{subfolder}")', "```"]
+            f"enable_vsa(transformer, sparsity={sparsity:g})  # the transformer loaded above (pipe.transformer)",
+            f'load_vsa_gates(transformer, "{where}/{subfolder}")', "```"]
 
 
 def _diffusers_snippet(

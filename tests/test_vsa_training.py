@@ -193,7 +193,7 @@ def test_the_model_card_says_to_enable_vsa(tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()
     assert "video sparse attention (VSA, fv_accel.vsa): sparsity 0.75" in card
     assert "fv_accel.vsa.enable_vsa(pipe.transformer, sparsity=0.75)` before sampling" in card
-    assert f'load_vsa_gates(pipe.transformer, "{(tmp_path / "out").resolve()}/transformer")' in card
+    assert f'load_vsa_gates(transformer, "{(tmp_path / "out").resolve()}/transformer")' in card
 
 
 # --------------------------------------------------------------------------------------------
