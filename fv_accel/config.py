@@ -402,6 +402,36 @@ class TrainingModelConfig:
 
 
 @dataclass
+class VSAConfig:
+    """Video sparse attention in training (fv_accel/vsa.py, docs/sparse-attention.md); FastVideo's
+    key names. `sparsity` 0 is off (dense attention). With `decay_rate` > 0 the sparsity of step s
+    (1-based) is min(sparsity, decay_rate * floor(s / decay_interval_steps)) (`fv_accel.vsa.ramp_sparsity`)."""
+
+    sparsity: float = 0.0
+    decay_rate: float = 0.0
+    decay_interval_steps: int = 0
+    backend: Literal["auto", "kernel", "flex", "gathered", "reference"] = "auto"
+
+    @property
+    def enabled(self) -> bool:
+        return self.sparsity > 0
+
+    def check(self) -> None:
+        for key in ("sparsity", "decay_rate"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise Invalid(key, value, "a number in [0, 1)")
+        if self.decay_interval_steps < 0:
+            raise Invalid("decay_interval_steps", self.decay_interval_steps, "an integer >= 0")
+        if self.decay_rate > 0 and self.decay_interval_steps < 1:
+            raise Invalid(
+                "decay_interval_steps", self.decay_interval_steps, f"an integer >= 1 with decay_rate {self.decay_rate}"
+            )
+        if self.decay_rate > 0 and not self.enabled:
+            raise Invalid("decay_rate", self.decay_rate, "0 with sparsity 0 (VSA off), or set training.vsa.sparsity")
+
+
+@dataclass
 class TrainingConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -410,6 +440,7 @@ class TrainingConfig:
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     model: TrainingModelConfig = field(default_factory=TrainingModelConfig)
     hub: HubConfig = field(default_factory=HubConfig)
+    vsa: VSAConfig = field(default_factory=VSAConfig)
 
 
 @dataclass
@@ -552,6 +583,7 @@ class RunConfig:
     def check(self) -> None:
         """The checks across sections (keys dotted from the root)."""
         st, tm = self.models.student, self.training.model
+        self._check_vsa()
         if st.storage_dtype is not None and tm.compile != "none":
             raise Invalid("training.model.compile", says=(
                 f"{tm.compile!r} with models.student.storage_dtype "
@@ -564,6 +596,28 @@ class RunConfig:
             raise Invalid("callbacks.validation.prompts", says=(
                 "sample videos of a causal student do not run under "
                 f"training.model.context_parallel (ulysses {cp.ulysses}); remove the prompts (the held-out loss runs)"
+            ))
+
+    def _check_vsa(self) -> None:
+        """VSA replaces the self-attention processors: not with block-causal attention (its
+        processors hold the causal rule) nor under context parallelism (sequences split)."""
+        vsa, st, cp = self.training.vsa, self.models.student, self.training.model.context_parallel
+        if not vsa.enabled:
+            return
+        if st.causal:
+            raise Invalid("training.vsa.sparsity", says=(
+                f"{vsa.sparsity}: video sparse attention does not combine with a block-causal student "
+                "(models.student.causal: true); set training.vsa.sparsity: 0 or models.student.causal: false"
+            ))
+        if st.storage_dtype is not None:
+            raise Invalid("training.vsa.sparsity", says=(
+                f"{vsa.sparsity} with models.student.storage_dtype {st.storage_dtype!r}: the trained gates would be "
+                "stored in that dtype too; remove one of the two"
+            ))
+        if cp.degree > 1:
+            raise Invalid("training.vsa.sparsity", says=(
+                f"{vsa.sparsity}: video sparse attention does not run under training.model.context_parallel "
+                f"(ulysses {cp.ulysses}); set training.vsa.sparsity: 0 or remove the context parallelism"
             ))
 
 

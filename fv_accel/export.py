@@ -133,8 +133,21 @@ def _base_from_folder(folder: Path) -> dict[str, Any]:
                     "model_class": student.get("model_class", "auto"),
                     "transformer_config": student.get("transformer_config"),
                     "expert": student.get("expert"),
+                    "vsa": _vsa_from_config(run_config.get("training", {}).get("vsa") or {}),
                 }
     return {}
+
+
+def _vsa_from_config(vsa: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A checkpoint recipe's `training.vsa` as base_model.json records it (None: dense)."""
+    if not vsa.get("sparsity"):
+        return None
+    return {k: vsa.get(k) for k in ("sparsity", "decay_rate", "decay_interval_steps")}
+
+
+def vsa_sparsity_of(base: dict[str, Any]) -> float:
+    """The sparsity a run trained with video sparse attention reached (0: dense)."""
+    return float((base.get("vsa") or {}).get("sparsity") or 0.0)
 
 
 def _attention_from_config(student: dict[str, Any], method: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -252,6 +265,10 @@ def export_diffusers(src: ExportSource, out: Path, stage: Stage = contextlib.nul
             if all(k.startswith(prefix) for k in state):
                 state = {k[len(prefix):]: v for k, v in state.items()}
         dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+        from fv_accel.vsa import enable_vsa, is_gate_key
+
+        if any(is_gate_key(k) for k in state):  # trained with VSA: the gates are part of the weights
+            enable_vsa(transformer, vsa_sparsity_of(src.base))
         transformer.load_state_dict(state, strict=True)
         if len(dtypes) == 1:
             transformer.to(dtypes.pop())
@@ -379,7 +396,7 @@ def export_merged(
                     f"model '{st.init_from}': its transformer is a {type(transformer).__name__}, not the run's {cls.__name__}"
                 )
         with stage("merging"):
-            merge_lora(transformer, state, metadata)
+            merge_lora(transformer, state, metadata, vsa_sparsity_of(src.base))
         with stage("saving the transformer"):
             folder = subfolder if expert in EXPERT_SUBFOLDERS else "transformer"
             written.append(_save_transformer(transformer, out, src.base.get("attention"), folder=folder))

@@ -107,6 +107,8 @@ def plot_heldout(series: Series, out: Path) -> Optional[Path]:
         axes[0].plot(*series[key], "o-", color=color, markersize=3, label="sigma " + key.rsplit("_", 1)[1])
     if "heldout/loss" in series:
         axes[0].plot(*series["heldout/loss"], "o-", color="black", linewidth=2.2, label="mean over buckets")
+    if "heldout/dense_loss" in series:  # VSA runs: the dense view of the same weights
+        axes[0].plot(*series["heldout/dense_loss"], "s--", color="tab:red", linewidth=1.5, label="mean, dense view (VSA)")
     axes[0].set_ylabel("held-out loss")
     axes[0].set_yscale("log")
     axes[0].legend(loc="upper right", fontsize=7, ncol=2)

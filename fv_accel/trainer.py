@@ -225,6 +225,14 @@ class Trainer:
         self._dump_registered = False
         # DeepSpeed: the loss is checked before backward, since the engine steps inside it.
         self.steps_in_backward = engine_steps_in_backward(self.accelerator)
+        # Video sparse attention: the sparsity of the last step trained (a resumed run's), until the next.
+        self._set_vsa_step(self.start_step)
+
+    def _set_vsa_step(self, step: int) -> None:
+        """The method's VSA ramp at optimizer step `step` (nothing with dense attention)."""
+        set_step = getattr(self.method, "set_vsa_step", None)
+        if set_step is not None:
+            set_step(step)
 
     # ---- trainer counters kept in checkpoints (metadata.json) ----
     def state_dict(self) -> dict:
@@ -579,6 +587,7 @@ class Trainer:
     def _train_step(self, data_iter: Iterator, loop: "LoopSettings") -> "StepOutcome":
         acc = self.accelerator
         out = StepOutcome()
+        self._set_vsa_step(self.step + 1)
         for _ in range(loop.accumulation):
             td = time.perf_counter()
             batch = next(data_iter)
@@ -744,6 +753,9 @@ class Trainer:
             logs.update(zip(names, reduced.tolist()))
             logs["loss"] = logs["total_loss"]
         logs["lr"] = float(self.method.lr_scheduler.get_last_lr()[0])
+        vsa_sparsity = getattr(self.method, "vsa_sparsity", None)
+        if vsa_sparsity is not None:
+            logs["vsa_sparsity"] = vsa_sparsity
         if log_now and out.grad_norm is not None:
             logs["grad_norm"] = float(out.grad_norm)
         logs["step_time"] = out.step_time
