@@ -813,8 +813,26 @@ def load_config(
         source = f"{source} (with overrides {', '.join(overrides)})"
     cfg = _build_dataclass(RunConfig, data, "", source)
     validate(cfg, source)
+    check_lora_keys_enabled(cfg, data, source)
     cfg._source = source  # type: ignore[attr-defined]
     return cfg
+
+
+def check_lora_keys_enabled(cfg: RunConfig, data: dict, source: str) -> None:
+    """LoRA settings the recipe or command line gives (other than their defaults) while
+    models.student.lora.enable is false would be ignored, and the run would train every weight:
+    a ConfigError naming them. A printed recipe (`--dry-run`) holds every key at its default and passes."""
+    given = ((data.get("models") or {}).get("student") or {}).get("lora") or {}
+    lora = cfg.models.student.lora
+    if lora.enable or not isinstance(given, dict):
+        return
+    defaults = LoraConfig()
+    keys = [f"models.student.lora.{k}" for k in given if k != "enable" and getattr(lora, k) != getattr(defaults, k)]
+    if keys:
+        raise ConfigError(
+            f"{source}: {', '.join(keys)} set but models.student.lora.enable is false, so the run would train every "
+            "weight and ignore them: set models.student.lora.enable true (or remove those keys)"
+        )
 
 
 def _read_yaml(path: Path) -> dict:

@@ -649,6 +649,25 @@ class _EncodeJob:
             )
         return self.encoder
 
+    def latent_space(self) -> dict:
+        """What fv_dataset.json says of the latents' space: the model family and its VAE class
+        (training refuses a student of another latent space, fv_accel.build.check_dataset_family)."""
+        from fv_accel.models.loading import ModelLoadError, fetch_config
+
+        info: dict = {}
+        if self.family is not None:
+            info["family"] = self.family.family
+            try:
+                vae_class = (fetch_config(self.model, "vae", revision=self.revision, required=False) or {}).get("_class_name")
+            except ModelLoadError:
+                vae_class = None
+        else:
+            vae = getattr(self.encoder, "vae", None)
+            vae_class = type(vae).__name__ if vae is not None else None
+        if vae_class:
+            info["vae_class"] = vae_class
+        return info
+
     def encode(self, clip: ClipSource, payload: Union[Path, bytes], content: str, key: str) -> dict:
         got = read_clip(payload, clip.name, self.sampling, content)
         enc = self.get_encoder()
@@ -762,7 +781,7 @@ class _EncodeJob:
                 stats_found = self.family.latent_statistics(self.model, self.revision)
             result = _finish(
                 self.output, self.model, self.revision, self.sampling, num_shards, world_size, form, stats_found,
-                self.conditioning, self.spec,
+                self.conditioning, self.spec, self.latent_space(),
             )
             result.seconds = time.perf_counter() - t0
         if world_size > 1:
@@ -790,6 +809,7 @@ def _finish(
     latent_stats: Optional[tuple] = None,
     conditioning: Sequence[str] = ("text",),
     spec: Any = None,
+    latent_space: Optional[dict] = None,
 ) -> PreprocessResult:
     """Main process, after every process is done: skipped.jsonl, stale files, fv_dataset.json."""
     import pyarrow.parquet as pq
@@ -826,6 +846,7 @@ def _finish(
         output,
         model=model,
         latent_stats=latent_stats,
+        **(latent_space or {}),
         preprocessing=sampling.to_dict(),
         num_rows=encoded,
         **conditioning_info(spec, conditioning),

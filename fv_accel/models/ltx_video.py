@@ -345,6 +345,7 @@ class LTXVideoStudent(DiffusersStudent):
     (`models.student.causal`: block-causal self-attention, block = method.chunk_size)."""
 
     family = "ltx_video"
+    vae_class_names = ("AutoencoderKLLTXVideo",)
     transformer_classes = {"ltx_video": LTXVideoTransformer3DModel}
     pipeline_class_names = LTX_PIPELINES
     capabilities = Capabilities(per_frame_timesteps=True, causal_attention=True, image_conditioning=False)

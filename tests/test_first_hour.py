@@ -1,0 +1,142 @@
+"""What a new user meets in the first hour: a dataset of another model family refused, LoRA keys
+without LoRA refused, a smoothed end-of-run loss, defaults in every --help, a warning on upscaled
+clips, offline Hub lookups that fail fast, and one error line per launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import tiny_overrides
+
+from fv_accel.build import build_from_config
+from fv_accel.config import ConfigError, default_recipe, load_config
+from fv_accel.trainer import Trainer, smoothed_loss_ends
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    full = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([PY, *args], cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+# ---- a dataset encoded by another model family ----
+
+
+def test_a_wan_dataset_is_refused_for_an_ltx_student_naming_both_families(tmp_path, tiny_model_of, tiny_data_path):
+    over = tiny_overrides(tmp_path, **{
+        "models.student.init_from": str(tiny_model_of("ltx_video")),
+        "models.student.transformer_config": None,
+        "training.data.data_path": tiny_data_path,
+    })
+    with pytest.raises(ConfigError) as err:
+        build_from_config(default_recipe("finetune"), over)
+    line = str(err.value)
+    assert "\n" not in line
+    assert str(Path(tiny_data_path) / "fv_dataset.json") in line
+    assert "(wan family, VAE AutoencoderKLWan)" in line and "the ltx_video family (VAE AutoencoderKLLTXVideo)" in line
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_a_dataset_without_recorded_family_is_checked_through_its_model_folder(tmp_path, tiny_model_of, tiny_data_path):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data_path, data)
+    info = json.loads((data / "fv_dataset.json").read_text())
+    assert info["family"] == "wan" and info["vae_class"] == "AutoencoderKLWan"  # preprocessing records them
+    for key in ("family", "vae_class"):
+        del info[key]
+    (data / "fv_dataset.json").write_text(json.dumps(info))
+    over = tiny_overrides(tmp_path, **{
+        "models.student.init_from": str(tiny_model_of("ltx_video")),
+        "models.student.transformer_config": None,
+        "training.data.data_path": str(data),
+    })
+    with pytest.raises(ConfigError, match=r"\(wan family, VAE AutoencoderKLWan\), but the student is of the ltx_video family"):
+        build_from_config(default_recipe("finetune"), over)
+
+
+def test_another_model_of_the_same_family_trains_on_the_dataset(tmp_path, tiny_model_of, tiny_data_path):
+    """SkyReels-V2 is of the Wan family (its VAE is Wan's): a dataset the tiny Wan model encoded trains it."""
+    model = tiny_model_of("skyreels_v2")
+    assert json.loads((Path(tiny_data_path) / "fv_dataset.json").read_text())["model"] != str(model)
+    over = tiny_overrides(tmp_path, **{
+        "models.student.init_from": str(model),
+        "models.student.transformer_config": None,
+        "training.data.data_path": tiny_data_path,
+        "training.data.train_batch_size": 1,
+        "training.loop.max_train_steps": 1,
+        "training.checkpoint.save_final": False,
+    })
+    summary = Trainer(build_from_config(default_recipe("finetune"), over)).run()
+    assert summary["steps"] == 1
+
+
+# ---- LoRA keys while LoRA is off ----
+
+
+def test_lora_keys_without_lora_enable_are_refused_from_the_command_line():
+    proc = run_cli("train_finetune.py", "--models.student.lora.rank", "8", "--models.student.lora.alpha", "8", "--dry-run")
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "models.student.lora.rank, models.student.lora.alpha set but models.student.lora.enable is false" in errors[0]
+    assert "set models.student.lora.enable true" in errors[0]
+
+
+def test_lora_keys_without_lora_enable_are_refused_from_a_recipe(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    student = "models:\n  student:\n    transformer_config: {num_layers: 1}\n    lora:\n"
+    recipe.write_text(student + "      target_modules: [to_q]\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(recipe))}: models.student.lora.target_modules set but"):
+        load_config(recipe)
+    recipe.write_text(student + "      enable: true\n      target_modules: [to_q]\n")
+    assert load_config(recipe).models.student.lora.target_modules == ["to_q"]
+
+
+def test_defaults_and_a_printed_recipe_do_not_count_as_lora_keys(tmp_path):
+    """`--dry-run` prints every key, the LoRA section's defaults included: that recipe loads."""
+    cfg = load_config(default_recipe("finetune"))
+    assert cfg.models.student.lora.enable is False
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(cfg.to_yaml())
+    assert yaml.safe_load(printed.read_text())["models"]["student"]["lora"]["rank"] == 16
+    assert load_config(printed).models.student.lora.rank == 16
+    assert load_config(default_recipe("finetune"), {"models.student.lora.enable": True, "models.student.lora.rank": 8}).models.student.lora.rank == 8
+
+
+# ---- the end line's loss ----
+
+
+def test_smoothed_loss_ends_are_the_means_of_the_first_and_last_steps():
+    history = [{"loss": v} for v in (4.0, 2.0, 9.0, float("nan"), 1.0, 3.0, 5.0)]
+    out = smoothed_loss_ends(history, window=2)
+    assert out == {"first_loss_mean": 3.0, "last_loss_mean": 4.0, "loss_mean_window": 2}
+    assert smoothed_loss_ends(history[:3], window=10) == {"first_loss_mean": 4.0, "last_loss_mean": 9.0, "loss_mean_window": 1}
+
+
+def test_the_end_line_reports_the_mean_loss_of_the_first_and_last_steps(tmp_path, tiny_data_path, capsys):
+    over = tiny_overrides(tmp_path, **{
+        "training.data.data_path": tiny_data_path,
+        "training.loop.max_train_steps": 6,
+        "training.checkpoint.save_final": False,
+    })
+    trainer = Trainer(build_from_config(default_recipe("finetune"), over))
+    summary = trainer.run()
+    losses = [h["loss"] for h in trainer.history]
+    assert len(losses) == 6
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("done: "))
+    m = re.search(r"loss \(mean of the first/last 3 steps\) ([\d.]+) -> ([\d.]+);", line)
+    assert m, line
+    assert float(m.group(1)) == pytest.approx(sum(losses[:3]) / 3, abs=1e-4)
+    assert float(m.group(2)) == pytest.approx(sum(losses[3:]) / 3, abs=1e-4)
+    assert summary["first_loss_mean"] == pytest.approx(sum(losses[:3]) / 3)
+    assert summary["first_loss"] == losses[0]  # the single steps stay in the summary
