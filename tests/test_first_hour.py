@@ -140,3 +140,78 @@ def test_the_end_line_reports_the_mean_loss_of_the_first_and_last_steps(tmp_path
     assert float(m.group(2)) == pytest.approx(sum(losses[3:]) / 3, abs=1e-4)
     assert summary["first_loss_mean"] == pytest.approx(sum(losses[:3]) / 3)
     assert summary["first_loss"] == losses[0]  # the single steps stay in the summary
+
+
+# ---- Hub lookups without the Hub ----
+
+FAKE_REPO = "nobody-here/no-such-model-fv"
+
+
+def fake_hub_recipe(tmp_path: Path) -> Path:
+    recipe = tmp_path / "hub.yaml"
+    recipe.write_text(f"models:\n  student:\n    init_from: {FAKE_REPO}\n")
+    return recipe
+
+
+def test_an_offline_dry_run_of_a_hub_recipe_says_hf_download_in_one_line(tmp_path):
+    proc = run_cli("train_finetune.py", "--config", str(fake_hub_recipe(tmp_path)), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    hints = [line for line in proc.stdout.splitlines() if f"hf download {FAKE_REPO}" in line]
+    assert len(hints) == 1 and hints[0].startswith("# memory estimate: ")
+    assert yaml.safe_load(proc.stdout)["models"]["student"]["init_from"] == FAKE_REPO  # the printed recipe stays YAML
+    assert "Retrying" not in proc.stderr
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}],
+                         ids=["HF_HUB_OFFLINE", "no-answer"])
+def test_a_hub_model_missing_from_the_cache_is_one_line_without_retries(tmp_path, env):
+    """No network (here: an endpoint that refuses connections) is found out with one request; the
+    lookup is then local only, with no retries."""
+    proc = run_cli("train_finetune.py", "--config", str(fake_hub_recipe(tmp_path)), "--output_dir", str(tmp_path / "out"), env=env)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"`hf download {FAKE_REPO}`" in errors[0], proc.stderr
+    assert ("does not answer" in errors[0]) == ("HF_ENDPOINT" in env)
+    assert "Retrying" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- one error line per launch ----
+
+LAUNCH_2 = ["--multi_gpu", "--num_processes", "2", "--main_process_port", "0", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def launch(launcher: str, *script_args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_cli("-m", launcher, *LAUNCH_2, "train_finetune.py", *script_args, env={"ACCELERATE_USE_CPU": "1", **(env or {})})
+
+
+def test_a_two_process_dry_run_prints_the_recipe_and_estimate_once():
+    proc = launch("fv_accel.launch", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("\nmethod:\n") == 1 and proc.stdout.count("# memory estimate per process") == 1
+
+
+BAD = ("--training.optimizer.learning_rate", "-1")
+BAD_LINE = "key 'training.optimizer.learning_rate': expected a number > 0, got -1.0"
+
+
+def test_an_error_under_a_two_process_launch_is_one_line_and_its_exit_status():
+    proc = launch("fv_accel.launch", *BAD)
+    assert proc.returncode == 2
+    assert proc.stderr.count(BAD_LINE) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr and "exitcode" not in proc.stderr
+
+
+def test_plain_accelerate_launch_gets_the_line_once_from_the_training_processes():
+    """Accelerate's own launcher then adds its traceback (ChildFailedError), which it prints
+    whatever the training processes do; the line itself comes once."""
+    proc = launch("accelerate.commands.launch", *BAD)
+    assert proc.returncode != 0
+    assert proc.stderr.count(BAD_LINE) == 1, proc.stderr
+
+
+def test_fv_accel_traceback_shows_where_the_error_was_raised():
+    proc = run_cli("train_finetune.py", *BAD, env={"FV_ACCEL_TRACEBACK": "1"})
+    assert proc.returncode == 2
+    assert "Traceback (most recent call last)" in proc.stderr and "fv_accel/config.py" in proc.stderr
+    assert proc.stderr.count(BAD_LINE) == 2  # in the exception and in the error line
