@@ -1,7 +1,9 @@
-"""Process lifecycle helpers shared by the entry scripts and preprocessing (imports nothing of fv_accel)."""
+"""Process lifecycle helpers shared by the entry scripts and preprocessing: their exit, their error
+line, their --help (imports nothing of fv_accel)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
@@ -120,3 +122,26 @@ def _remove_old_markers(max_age_s: float = 86400.0) -> None:
                 os.unlink(path)
         except OSError:
             pass
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help that shows each option's default (`(default: 81)`), except where there is none to show
+    (None, a flag's False) or the help text already says it; the description is kept as written."""
+
+    @staticmethod
+    def _has_default(action: argparse.Action) -> bool:
+        return bool(action.option_strings) and all(action.default is not v for v in (None, False, argparse.SUPPRESS))
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not self._has_default(action) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._has_default(action):  # an option without help text still shows its default
+            import copy
+
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
