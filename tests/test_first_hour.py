@@ -215,3 +215,175 @@ def test_fv_accel_traceback_shows_where_the_error_was_raised():
     assert proc.returncode == 2
     assert "Traceback (most recent call last)" in proc.stderr and "fv_accel/config.py" in proc.stderr
     assert proc.stderr.count(BAD_LINE) == 2  # in the exception and in the error line
+
+
+# ---- --help shows the defaults ----
+
+CLI_MODULES = ["fv_accel.preprocess", "fv_accel.export", "fv_accel.plot", "fv_accel.data.inspect", "fv_accel.tiny_model",
+               "fv_accel.tiny.motion"]
+
+
+def test_preprocess_help_shows_its_defaults():
+    proc = run_cli("-m", "fv_accel.preprocess", "--help")
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())  # argparse wraps the lines
+    assert "longest a clip can fill (default: 81)" in text and "to the nearest (default: 480x832)" in text
+    assert "(default: utf-8)" in text and "(default: 32)" in text
+
+
+@pytest.mark.parametrize("module", CLI_MODULES)
+def test_every_option_with_a_default_shows_it(module, monkeypatch, capsys):
+    import argparse
+    import importlib
+
+    parsers = []
+    original = argparse.ArgumentParser.parse_args
+
+    def keep(self, args=None, namespace=None):
+        parsers.append(self)
+        return original(self, args, namespace)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", keep)
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(module).main(["--help"])
+    assert done.value.code == 0
+    (parser,) = parsers
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps at widths of its own
+    shown = [a for a in parser._actions if a.option_strings and a.default not in (None, False, argparse.SUPPRESS)]
+    assert "(default:" in text
+    for action in shown:
+        formatted = "".join(parser._get_formatter()._format_action(action).split())
+        assert "(default:" in formatted and formatted in text, (module, action.option_strings)
+
+
+def test_the_training_scripts_help_shows_the_recipes_defaults():
+    proc = run_cli("train_finetune.py", "--help")
+    assert proc.returncode == 0 and not proc.stderr.startswith("error")
+    cfg = load_config(default_recipe("finetune"))
+    assert f"training.loop.max_train_steps (default: {cfg.training.loop.max_train_steps})" in proc.stdout
+    assert f"training.checkpoint.output_dir (default: {cfg.training.checkpoint.output_dir})" in proc.stdout
+
+
+# ---- upscaled clips ----
+
+
+def test_an_upscaled_clip_is_one_warning_naming_it_and_the_sizes(caplog):
+    from fv_accel.preprocess import warn_if_upscaled
+
+    with caplog.at_level("WARNING", logger="fv_accel.preprocess"):
+        warn_if_upscaled("a.gif", (14, 25), (48, 80))
+        warn_if_upscaled("big.mp4", (96, 160), (48, 80))  # made smaller: nothing to say
+        warn_if_upscaled("tall.mp4", (100, 60), (48, 80))  # narrower than the bucket
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert lines[0] == ("a.gif: upscaled 3.4x: its frames are 14x25 (HEIGHTxWIDTH), smaller than its 48x80 bucket; "
+                        "smaller --buckets keep it sharp")
+    assert lines[1].startswith("tall.mp4: upscaled 1.3x: its frames are 100x60")
+
+
+# ---- docs/your-clips-with-the-tiny-model.md, run as written ----
+
+WALKTHROUGH = REPO / "docs" / "your-clips-with-the-tiny-model.md"
+
+
+def write_sliding_square(path: Path, height: int, width: int, color: tuple, caption: str) -> None:
+    """36 frames at 12 fps of a square sliding right, written with PyAV, and its caption file."""
+    import numpy as np
+
+    from fv_accel.data.video import write_video
+
+    frames = np.full((36, height, width, 3), 20, dtype=np.uint8)
+    side = height // 3
+    for i, frame in enumerate(frames):
+        x = (width - side) * i // 35
+        frame[side : 2 * side, x : x + side] = color
+    write_video(path, frames, fps=12)
+    path.with_suffix(".txt").write_text(caption + "\n")
+
+
+def walkthrough_commands(text: str) -> list[tuple[str, str]]:
+    """("bash", command) for each command of the page's bash blocks (continuations joined) and
+    ("python", code) for each python block, in the page's order."""
+    steps = []
+    for lang, code in re.findall(r"```(bash|python)\n(.*?)```", text, flags=re.S):
+        if lang == "python":
+            steps.append((lang, code))
+        else:
+            steps += [(lang, line.strip()) for line in code.replace("\\\n", " ").splitlines() if line.strip()]
+    return steps
+
+
+# Runs the page's steps one after the other in one interpreter (the imports paid once): a
+# `python -m` command through runpy as `python -m` runs it, `accelerate launch SCRIPT` as the one
+# process it launches on a machine without GPUs (`python SCRIPT`), a python block as a script.
+# Each step's output goes to the files the test reads; logging and Accelerate's state are reset between steps.
+RUNNER = r"""
+import contextlib, json, runpy, shlex, sys, traceback
+from pathlib import Path
+
+repo, steps = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
+for i, (lang, step) in enumerate(steps):
+    out, err = open(f"step-{i}.out", "w"), open(f"step-{i}.err", "w")
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if lang == "python":
+                exec(compile(step, f"block {i}", "exec"), {"__name__": "__main__"})
+            else:
+                argv = shlex.split(step)
+                if argv[:2] == ["accelerate", "launch"]:
+                    argv = ["python", *argv[2:]]
+                assert argv[0] == "python", step
+                if argv[1] == "-m":
+                    sys.argv = [argv[2], *argv[3:]]
+                    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+                else:
+                    sys.argv = [str(Path(repo) / argv[1]), *argv[2:]]
+                    runpy.run_path(sys.argv[0], run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    import logging
+
+    logging.root.handlers.clear()  # each step configures its logging, to its own files
+    out.close(), err.close()
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True), GradientState._reset_state(), PartialState._reset_state()
+    if code:
+        sys.exit(f"step {i} exited {code}")
+"""
+
+
+def test_the_walkthrough_runs_as_written(tmp_path):
+    clips = tmp_path / "my_clips"
+    clips.mkdir()
+    write_sliding_square(clips / "red.mp4", 96, 160, (220, 30, 30), "a red square sliding right")
+    write_sliding_square(clips / "small.mp4", 32, 48, (30, 200, 60), "a green square sliding right")
+    text = WALKTHROUGH.read_text()
+    steps = walkthrough_commands(text)
+    assert [s for _, s in steps if "fv_accel.preprocess" in s and "--help" not in s]  # the page has its commands
+    (tmp_path / "steps.json").write_text(json.dumps(steps))
+    # One compute thread, as `accelerate launch` gives the process it starts on a CPU machine.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([PY, "-c", RUNNER, str(REPO), "steps.json"], cwd=tmp_path, capture_output=True, text=True,
+                          env=env, timeout=600)
+    ran = {step: ((tmp_path / f"step-{i}.out").read_text(), (tmp_path / f"step-{i}.err").read_text())
+           for i, (_, step) in enumerate(steps) if (tmp_path / f"step-{i}.err").is_file()}
+    assert proc.returncode == 0, f"{proc.stderr[-2000:]}\n{list(ran.values())[-1][1][-3000:] if ran else ''}"
+    assert len(ran) == len(steps)
+    _, preprocess_err = next(p for s, p in ran.items() if "fv_accel.preprocess --model" in s)
+    warnings = [line for line in preprocess_err.splitlines() if "upscaled" in line]
+    assert len(warnings) == 1 and "small.mp4: upscaled 1.7x: its frames are 32x48 (HEIGHTxWIDTH)" in warnings[0]
+    assert warnings[0].split("WARNING ", 1)[1] in text  # the line the page shows
+    done = [line for out, _ in ran.values() for line in out.splitlines() if line.startswith("done: 100 steps")]
+    assert len(done) == 2 and all("loss (mean of the first/last 10 steps)" in line for line in done)
+    assert (tmp_path / "outputs/my_clips/samples/step-100").is_dir()
+    import av
+
+    with av.open(str(tmp_path / "my_sample.mp4")) as video:
+        stream = video.streams.video[0]
+        assert (stream.height, stream.width) == (48, 80) and sum(1 for _ in video.decode(stream)) == 17
+    assert (tmp_path / "outputs/my_clips_lora/exports/final_merged/transformer/config.json").is_file()
