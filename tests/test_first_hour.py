@@ -181,12 +181,16 @@ LAUNCH_2 = ["--multi_gpu", "--num_processes", "2", "--main_process_port", "0", "
             "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
-def launch(launcher: str, *script_args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run_cli("-m", launcher, *LAUNCH_2, "train_finetune.py", *script_args, env={"ACCELERATE_USE_CPU": "1", **(env or {})})
+def launch(launcher: str, *script_args: str) -> subprocess.CompletedProcess:
+    """A 2-process CPU launch of train_finetune.py; torch's launcher logs (LOGLEVEL=INFO) the world size it started."""
+    proc = run_cli("-m", launcher, *LAUNCH_2, "train_finetune.py", *script_args, env={"ACCELERATE_USE_CPU": "1", "LOGLEVEL": "INFO"})
+    assert "global_world_sizes=[2, 2]" in proc.stderr, proc.stderr[-2000:]
+    return proc
 
 
-def test_a_two_process_dry_run_prints_the_recipe_and_estimate_once():
-    proc = launch("fv_accel.launch", "--dry-run")
+@pytest.mark.parametrize("launcher", ["accelerate.commands.launch", "fv_accel.launch"])
+def test_a_two_process_dry_run_prints_the_recipe_and_estimate_once(launcher):
+    proc = launch(launcher, "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("\nmethod:\n") == 1 and proc.stdout.count("# memory estimate per process") == 1
 
