@@ -82,7 +82,10 @@ def training_exit_status(err: BaseException) -> Optional[int]:
     else:
         return None
     if code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
         os.write(2, f"fv_accel.launch: training process of rank {rank} was ended by {name}\n".encode())
         return 128 - code
     if code not in EXPLAINED_EXIT_CODES:

@@ -9,7 +9,6 @@ model id and says what to do, instead of a stack trace from deep inside huggingf
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional
 
