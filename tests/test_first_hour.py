@@ -391,3 +391,20 @@ def test_the_walkthrough_runs_as_written(tmp_path):
         stream = video.streams.video[0]
         assert (stream.height, stream.width) == (48, 80) and sum(1 for _ in video.decode(stream)) == 17
     assert (tmp_path / "outputs/my_clips_lora/exports/final_merged/transformer/config.json").is_file()
+
+
+def test_processes_of_one_launch_write_a_shared_line_once_and_their_own_lines_each(tmp_path, monkeypatch, capsys):
+    """report_error in processes started by one launcher (here: this process, as each of them in turn)."""
+    import tempfile
+
+    from fv_accel.process import report_error
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("FV_ACCEL_TRACEBACK", raising=False)
+    for err in (ValueError("data/x: bad"), ValueError("data/x: bad"), OSError("data/y: only here")):
+        report_error(err)
+    assert capsys.readouterr().err == "error: data/x: bad\nerror: data/y: only here\n"
+    monkeypatch.delenv("LOCAL_RANK")  # a process started on its own says every line
+    report_error(ValueError("data/x: bad"))
+    assert capsys.readouterr().err == "error: data/x: bad\n"
