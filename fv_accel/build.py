@@ -617,17 +617,18 @@ def check_dataset_family(cfg: RunConfig, data_path: str) -> None:
     """The datasets (training.data.data_path and the mix) hold latents of a VAE the student's family
     takes: one encoded by another family's VAE (Wan latents for an LTX student) is refused, naming
     both families. Models of one family share their latent space (Wan 1.3B and 14B), so ids are not
-    compared; a dataset that records no encoding model is not checked."""
+    compared; a dataset that records no encoding model, or a VAE no family names, is not checked."""
     from fv_accel.data.schema import DATASET_INFO, local_dataset_path
     from fv_accel.models import FAMILIES, family_of
 
     student = family_of(cfg)
     if not student.vae_class_names:
         return
+    known_vaes = {name for f in FAMILIES.values() for name in f.vae_class_names}
     paths = [data_path] + [local_dataset_path(entry["data_path"]) for entry in cfg.training.data.mix]
     for path in paths:
         family, vae_class, model = dataset_latent_space(path)
-        if vae_class is not None:
+        if vae_class in known_vaes:
             fits = vae_class in student.vae_class_names
         elif family in FAMILIES:
             fits = bool(set(FAMILIES[family].vae_class_names) & set(student.vae_class_names))
