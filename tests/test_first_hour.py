@@ -64,6 +64,19 @@ def test_a_dataset_without_recorded_family_is_checked_through_its_model_folder(t
         build_from_config(default_recipe("finetune"), over)
 
 
+def test_a_mixed_in_dataset_of_another_family_is_refused_naming_it(tmp_path, tiny_data_path):
+    mixed = tmp_path / "ltx_data"
+    shutil.copytree(tiny_data_path, mixed)
+    info = json.loads((mixed / "fv_dataset.json").read_text())
+    info.update(model="someone/ltx-model", family="ltx_video", vae_class="AutoencoderKLLTXVideo")
+    (mixed / "fv_dataset.json").write_text(json.dumps(info))
+    over = tiny_overrides(tmp_path, **{"training.data.data_path": tiny_data_path, "training.data.mix": [{"data_path": str(mixed)}]})
+    with pytest.raises(ConfigError) as err:
+        build_from_config(default_recipe("finetune"), over)
+    assert str(err.value).startswith(f"{mixed / 'fv_dataset.json'}: the dataset was encoded by 'someone/ltx-model' "
+                                     "(ltx_video family, VAE AutoencoderKLLTXVideo), but the student is of the wan family")
+
+
 def test_another_model_of_the_same_family_trains_on_the_dataset(tmp_path, tiny_model_of, tiny_data_path):
     """SkyReels-V2 is of the Wan family (its VAE is Wan's): a dataset the tiny Wan model encoded trains it."""
     model = tiny_model_of("skyreels_v2")
