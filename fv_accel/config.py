@@ -867,8 +867,26 @@ def load_config(
         source = f"{source} (with overrides {', '.join(overrides)})"
     cfg = _build_dataclass(RunConfig, data, "", source)
     validate(cfg, source)
+    check_lora_keys_enabled(cfg, data, source)
     cfg._source = source  # type: ignore[attr-defined]
     return cfg
+
+
+def check_lora_keys_enabled(cfg: RunConfig, data: dict, source: str) -> None:
+    """LoRA settings the recipe or command line gives (other than their defaults) while
+    models.student.lora.enable is false would be ignored, and the run would train every weight:
+    a ConfigError naming them. A printed recipe (`--dry-run`) holds every key at its default and passes."""
+    given = ((data.get("models") or {}).get("student") or {}).get("lora") or {}
+    lora = cfg.models.student.lora
+    if lora.enable or not isinstance(given, dict):
+        return
+    defaults = LoraConfig()
+    keys = [f"models.student.lora.{k}" for k in given if k != "enable" and getattr(lora, k) != getattr(defaults, k)]
+    if keys:
+        raise ConfigError(
+            f"{source}: {', '.join(keys)} set but models.student.lora.enable is false, so the run would train every "
+            "weight and ignore them: set models.student.lora.enable true (or remove those keys)"
+        )
 
 
 def _read_yaml(path: Path) -> dict:
@@ -1026,7 +1044,8 @@ def parse_cli(argv: list[str], method: str) -> tuple[RunConfig, dict]:
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            raise SystemExit(_HELP.format(method=method))
+            print(help_text(method), end="")
+            raise SystemExit(0)
         if not arg.startswith("--"):
             raise ConfigError(f"command line: unexpected argument {arg!r} (options start with --)")
         name, eq, inline = arg[2:].partition("=")
@@ -1070,9 +1089,30 @@ def parse_cli(argv: list[str], method: str) -> tuple[RunConfig, dict]:
     return cfg, flags
 
 
-_HELP = """usage: accelerate launch train_{method}.py [--config RECIPE.yaml] [--dry-run]
-       [--output_dir DIR] [--resume_from_checkpoint latest|PATH] [--section.key VALUE ...]
-
-Without --config the built-in tiny recipe configs/tiny_{method}.yaml is used.
-Any recipe key can be overridden with its dotted name, e.g. --training.optimizer.learning_rate 2e-6.
-"""
+def help_text(method: str) -> str:
+    """train_<method>.py --help: the options, each with its default (the built-in tiny recipe's value)."""
+    recipe = default_recipe(method)
+    cfg = load_config(recipe, {"method.name": method})
+    ck, loop = cfg.training.checkpoint, cfg.training.loop
+    rel = f"configs/{recipe.name}"
+    rows = [
+        ("--config RECIPE.yaml", f"the recipe (default: {rel}, the built-in tiny one)"),
+        ("--dry-run", "print the resolved recipe and a memory estimate per process, then exit"),
+        ("--output_dir DIR", f"training.checkpoint.output_dir (default: {ck.output_dir})"),
+        ("--resume_from_checkpoint X", "latest, or a checkpoint-<step> folder (default: none, a fresh run)"),
+        ("--max_train_steps N", f"training.loop.max_train_steps (default: {loop.max_train_steps})"),
+        ("--seed N", f"training.data.seed (default: {cfg.training.data.seed})"),
+        ("--section.key VALUE", "any recipe key by its dotted name, e.g. --training.optimizer.learning_rate 2e-6 "
+         f"(default: {cfg.training.optimizer.learning_rate:g} for that one)"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [
+        f"usage: accelerate launch train_{method}.py [--config RECIPE.yaml] [--dry-run]",
+        "       [--output_dir DIR] [--resume_from_checkpoint latest|PATH] [--section.key VALUE ...]",
+        "",
+        f"options (defaults: the values of {rel}; those of another recipe: --config RECIPE.yaml --dry-run):",
+        *(f"  {name:<{width}}  {text}" for name, text in rows),
+        "",
+        "Every recipe key with its meaning and default: docs/recipes-and-keys.md.",
+    ]
+    return "\n".join(lines) + "\n"

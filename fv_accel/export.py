@@ -536,21 +536,28 @@ def export(path: str | Path, to: str, out: Optional[str | Path] = None, *, base:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fv_accel.export", description=__doc__.split("\n\n")[0])
+    from fv_accel.process import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fv_accel.export", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("source", help="a run's output folder, one of its checkpoint-<step> folders, or a LoRA file")
-    parser.add_argument("--to", required=True, choices=TARGETS)
+    parser.add_argument("--to", required=True, choices=TARGETS, help="what to write (docs/export-targets.md)")
     parser.add_argument(
         "--out", default=None, help="output folder (default: <output_dir>/exports/<checkpoint-N or final>_<to>)"
     )
     parser.add_argument("--base", default=None, help="base model for --to merged (default: the run's own)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="dtype of a merged export")
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+        help="dtype of a merged export (default: the run's models.student.torch_dtype)",
+    )
     parser.add_argument(
         "--push_to_hub", default=None, metavar="REPO",
         help="then upload the export folder (with a model card, README.md) to the Hub model repo REPO; "
         f"a failed upload is one line and exit status {PUSH_FAILED_EXIT_CODE}, the export kept",
     )
     parser.add_argument("--private", action="store_true", help="with --push_to_hub: create the repo private")
-    parser.add_argument("--revision", default=None, help="with --push_to_hub: the branch to upload to (created if absent)")
+    parser.add_argument("--revision", default=None, help="with --push_to_hub: the branch to upload to (created if absent; default: main)")
     args = parser.parse_args(argv)
     from fv_accel.models.loading import ModelLoadError
 

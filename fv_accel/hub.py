@@ -145,9 +145,9 @@ def _training_lines(
     lines.append(f"- data: `{data.data_path}` ({size})")
     lines.append(f"- text embeddings padded to {data.text_max_length} tokens")
     if summary:
-        first, last = summary.get("first_loss"), summary.get("last_loss")
-        if isinstance(first, float) and isinstance(last, float):
-            lines.append(f"- training loss {first:.4f} at the first step, {last:.4f} at the last")
+        first, last, k = summary.get("first_loss_mean"), summary.get("last_loss_mean"), summary.get("loss_mean_window")
+        if isinstance(first, float) and isinstance(last, float) and k:
+            lines.append(f"- training loss {first:.4f} -> {last:.4f} (mean of the first / last {k} logged steps)")
         if summary.get("best_heldout_loss") is not None:
             lines.append(f"- best held-out loss {summary['best_heldout_loss']:.4f} at step {summary.get('best_heldout_step')}")
     return lines

@@ -303,8 +303,9 @@ def _config_reachable(model: str, subfolder: Optional[str], revision: Optional[s
     certainly not (offline and not in the Hugging Face cache)."""
     if Path(model).exists():
         return True
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    if not offline:
+    from fv_accel.hub_access import offline_unless_hub_answers
+
+    if not offline_unless_hub_answers():
         return True  # fetched (a few KB) by fetch_config
     try:
         from huggingface_hub import try_to_load_from_cache

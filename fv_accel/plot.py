@@ -190,9 +190,13 @@ def log_png_images(accelerator, images: dict[str, Path], step: int) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fv_accel.plot", description=__doc__.split("\n\n")[0])
+    from fv_accel.process import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fv_accel.plot", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("output_dir", help="a run's output_dir (holding logs/metrics.jsonl)")
-    parser.add_argument("--out", default=None, help="folder for the PNGs (default OUTPUT_DIR/plots)")
+    parser.add_argument("--out", default=None, help="folder for the PNGs (default: OUTPUT_DIR/plots)")
     args = parser.parse_args(argv)
     try:
         written = write_plots(args.output_dir, args.out)

@@ -121,6 +121,9 @@ class ModelBase:
     transformer_classes: ClassVar[dict[str, type]] = {}
     # The `_class_name`s of the family's pipelines in a repo's model_index.json.
     pipeline_class_names: ClassVar[tuple[str, ...]] = ()
+    # The `_class_name`s of the VAEs whose latents the family's transformers take (vae/config.json):
+    # a dataset encoded by another VAE is refused (fv_accel.build.check_dataset_family).
+    vae_class_names: ClassVar[tuple[str, ...]] = ()
     capabilities: ClassVar[Capabilities] = Capabilities()
     lora_target_modules: ClassVar[tuple[str, ...]] = ()
     # Why the family's transformer cannot take one timestep per latent frame (diffusion forcing

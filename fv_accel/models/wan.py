@@ -267,6 +267,7 @@ class WanStudent(DiffusersStudent):
     """
 
     family = "wan"
+    vae_class_names = ("AutoencoderKLWan",)
     transformer_classes = {"wan": WanTransformer3DModel, "skyreels_v2": SkyReelsV2Transformer3DModel}
     pipeline_class_names = ("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline",
                             "SkyReelsV2Pipeline", "SkyReelsV2DiffusionForcingPipeline",
