@@ -40,7 +40,9 @@ def run_variant(size, data_path: str, method: str, compile_mode: str, warmup: in
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from fv_accel.process import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=["small"], choices=sorted(C.SIZE_RECIPES))
     p.add_argument("--method", default="finetune", choices=["finetune", "dfsft"])
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps, the first included (>= 1)")

@@ -321,7 +321,9 @@ def to_markdown(p: dict) -> str:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fv_accel.process import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=None, help=f"of {', '.join(SIZES)} (default: all)")
     p.add_argument("--quick", action="store_true", help="one tiny size: a smoke test")
     p.add_argument("--out", type=Path, default=HERE / "results")

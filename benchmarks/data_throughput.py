@@ -29,7 +29,9 @@ TARGET = 20.0
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fv_accel.process import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--size", default="small", choices=sorted(C.SIZE_RECIPES))
     p.add_argument("--rows", type=int, default=32, help="rows of the generated dataset")
     p.add_argument("--rounds", type=int, default=4)

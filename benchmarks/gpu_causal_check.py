@@ -181,7 +181,9 @@ def check_rollout(device: torch.device, frames: int, height: int, steps: int, ch
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from fv_accel.process import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sections", default="equality,grid,mask,rollout")
     parser.add_argument("--rollout-frames", type=int, default=21)

@@ -158,6 +158,7 @@ if (( HAVE_DS )); then
         --resume_from_checkpoint "$OUT/zero2_finetune/checkpoint-4" --training.checkpoint.training_state_checkpointing_steps 0
     compare_resume zero2_finetune zero2_finetune_resumed
     run zero2_dfsft_lora deepspeed_zero2.yaml train_dfsft.py --method.name dfsft --models.student.lora.enable true \
+        --models.student.lora.rank 32 --models.student.lora.alpha 32 \
         --training.optimizer.learning_rate 1e-4 --training.checkpoint.training_state_checkpointing_steps 0
 else
     echo "== DeepSpeed runs skipped: deepspeed is not importable here"

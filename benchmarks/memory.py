@@ -62,7 +62,9 @@ GIB = 2**30
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fv_accel.process import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--size", default="small", choices=sorted(C.SIZE_RECIPES))
     p.add_argument("--groups", nargs="+", default=["modes", "frames", "batch"], choices=["modes", "frames", "batch"])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))

@@ -50,7 +50,9 @@ CLOCKS = ("wall", "cpu")
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fv_accel.process import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=sorted(C.SIZE_RECIPES))
     p.add_argument("--rounds", type=int, default=8, help="measured rounds (each runs every variant)")
     p.add_argument("--steps", type=int, default=None, help="steps per variant per round (default: 3; tiny 10)")

@@ -51,7 +51,9 @@ STEP_LATENT_T = {"quick": [None], "cpu": [None, 8], "gpu": [None, 21]}
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fv_accel.process import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--mode", choices=("cpu", "gpu", "quick"), default=None, help="default: gpu when CUDA is available, else cpu")
     p.add_argument("--quick", action="store_true", help="same as --mode quick")
     p.add_argument("--rounds", type=int, default=None, help="measured rounds (default: quick 2, cpu 3, gpu 5)")

@@ -40,7 +40,9 @@ SPARSITIES = (0.5, 0.8, 0.9)
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from fv_accel.process import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "outputs/vsa_gpu_check"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--grid", type=int, nargs=3, default=None, help="agreement grid (default 8 30 52; cpu: 4 8 12)")

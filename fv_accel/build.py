@@ -589,8 +589,84 @@ def _prepare_data_source(cfg: RunConfig, acc: Any) -> str:
     from fv_accel.user_data import follow_user_data
 
     follow_user_data(cfg, data_path, log=acc.is_main_process)
+    check_dataset_family(cfg, data_path)
     _latent_stats_from_dataset(cfg, data_path)
     return data_path
+
+
+def dataset_latent_space(data_path: str) -> tuple[Optional[str], Optional[str], str]:
+    """(family, VAE class, model) of the latents of a dataset, as its fv_dataset.json records them;
+    for a dataset written before they were recorded, read from the encoding model's own configs
+    when that model is a local folder or in the Hugging Face cache (nothing is downloaded)."""
+    from fv_accel.data.schema import read_dataset_info
+
+    info = read_dataset_info(data_path)
+    model = str(info.get("model") or "")
+    family, vae_class = info.get("family"), info.get("vae_class")
+    if model and (family is None or vae_class is None):
+        vae_config = _cached_config(model, "vae/config.json") or {}
+        vae_class = vae_class or vae_config.get("_class_name")
+        if family is None and Path(model).is_dir():
+            from fv_accel.models import family_of_repo
+
+            try:
+                family = family_of_repo(model).family
+            except (OSError, ValueError):
+                family = None
+    return family, vae_class, model
+
+
+def _cached_config(model: str, filename: str) -> Optional[dict]:
+    """A config file of a local model folder, or of a Hub id in the local Hugging Face cache; None otherwise."""
+    import json
+
+    path: Any = Path(model) / filename
+    if not Path(model).is_dir():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            path = try_to_load_from_cache(model, filename)
+        except Exception:  # noqa: BLE001 - not a Hub id
+            return None
+        if not isinstance(path, str):
+            return None
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def check_dataset_family(cfg: RunConfig, data_path: str) -> None:
+    """The datasets (training.data.data_path and the mix) hold latents of a VAE the student's family
+    takes: one encoded by another family's VAE (Wan latents for an LTX student) is refused, naming
+    both families. Models of one family share their latent space (Wan 1.3B and 14B), so ids are not
+    compared; a dataset that records no encoding model, or a VAE no family names, is not checked."""
+    from fv_accel.data.schema import DATASET_INFO, local_dataset_path
+    from fv_accel.models import FAMILIES, family_of
+
+    student = family_of(cfg)
+    if not student.vae_class_names:
+        return
+    known_vaes = {name for f in FAMILIES.values() for name in f.vae_class_names}
+    paths = [data_path] + [local_dataset_path(entry["data_path"]) for entry in cfg.training.data.mix]
+    for path in paths:
+        family, vae_class, model = dataset_latent_space(path)
+        if vae_class in known_vaes:
+            fits = vae_class in student.vae_class_names
+        elif family in FAMILIES:
+            fits = bool(set(FAMILIES[family].vae_class_names) & set(student.vae_class_names))
+        else:
+            continue
+        if fits:
+            continue
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        what = ", ".join(x for x in (f"{family} family" if family else "", f"VAE {vae_class}" if vae_class else "") if x)
+        raise ConfigError(
+            f"{folder / DATASET_INFO}: the dataset was encoded by '{model}' ({what}), but the student is of the "
+            f"{student.family} family (VAE {' or '.join(student.vae_class_names)}): its latents are not the "
+            "student's; preprocess the clips with the student's model (python -m fv_accel.preprocess --model ...) "
+            "or train a student of the dataset's family"
+        )
 
 
 def _build_student_and_method(cfg: RunConfig, acc: Any) -> tuple[Any, Any]:

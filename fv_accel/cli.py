@@ -6,16 +6,20 @@ import sys
 from typing import Optional
 
 from fv_accel.config import ConfigError, parse_cli
-from fv_accel.process import exit_without_teardown, needs_exit_without_teardown
+from fv_accel.process import exit_without_teardown, is_main_launched_process, needs_exit_without_teardown, report_error
 
 
 def main(method: str, argv: Optional[list[str]] = None) -> int:
+    """Errors in the recipe, data or model are one line (`report_error`: once per launch, no
+    traceback unless FV_ACCEL_TRACEBACK=1) and exit status 2."""
     try:
         cfg, flags = parse_cli(sys.argv[1:] if argv is None else argv, method)
     except ConfigError as err:
-        sys.stderr.write(f"error: {err}\n")  # one write: lines of several processes stay whole
+        report_error(err)
         return 2
     if flags["dry_run"]:
+        if not is_main_launched_process():
+            return 0  # the launch's main process prints the recipe and estimate
         print(cfg.to_yaml(), end="")
         from fv_accel.memory_estimate import dry_run_lines
 
@@ -32,7 +36,7 @@ def main(method: str, argv: Optional[list[str]] = None) -> int:
     except (ConfigError, CheckpointError, ValueError, OSError) as err:
         # Building reads the recipe's inputs (data, model, checkpoint): its errors are input
         # errors, each one line naming the file/key (build_from_config from Python keeps the traceback).
-        sys.stderr.write(f"error: {err}\n")  # one write: lines of several processes stay whole
+        report_error(err)
         if needs_exit_without_teardown():  # refused after the process group was set up
             exit_without_teardown(2)
         return 2
@@ -44,11 +48,11 @@ def main(method: str, argv: Optional[list[str]] = None) -> int:
         code = 0
     except (TrainingStopped, CheckpointError) as err:
         # A fault policy stop, or a checkpoint that could not be written (a full disk): one line.
-        sys.stderr.write(f"error: {err}\n")  # one write: lines of several processes stay whole
+        report_error(err)
         code = 1
     except HubPushError as err:
         # Trained and written; only the upload (training.hub) failed: one line, its own exit status.
-        sys.stderr.write(f"error: {err}\n")
+        report_error(err)
         code = PUSH_FAILED_EXIT_CODE
     except Exception:
         if not hard_exit:

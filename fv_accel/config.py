@@ -402,6 +402,36 @@ class TrainingModelConfig:
 
 
 @dataclass
+class VSAConfig:
+    """Video sparse attention in training (fv_accel/vsa.py, docs/sparse-attention.md); FastVideo's
+    key names. `sparsity` 0 is off (dense attention). With `decay_rate` > 0 the sparsity of step s
+    (1-based) is min(sparsity, decay_rate * floor(s / decay_interval_steps)) (`fv_accel.vsa.ramp_sparsity`)."""
+
+    sparsity: float = 0.0
+    decay_rate: float = 0.0
+    decay_interval_steps: int = 0
+    backend: Literal["auto", "kernel", "flex", "gathered", "reference"] = "auto"
+
+    @property
+    def enabled(self) -> bool:
+        return self.sparsity > 0
+
+    def check(self) -> None:
+        for key in ("sparsity", "decay_rate"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise Invalid(key, value, "a number in [0, 1)")
+        if self.decay_interval_steps < 0:
+            raise Invalid("decay_interval_steps", self.decay_interval_steps, "an integer >= 0")
+        if self.decay_rate > 0 and self.decay_interval_steps < 1:
+            raise Invalid(
+                "decay_interval_steps", self.decay_interval_steps, f"an integer >= 1 with decay_rate {self.decay_rate}"
+            )
+        if self.decay_rate > 0 and not self.enabled:
+            raise Invalid("decay_rate", self.decay_rate, "0 with sparsity 0 (VSA off), or set training.vsa.sparsity")
+
+
+@dataclass
 class TrainingConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -410,6 +440,7 @@ class TrainingConfig:
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     model: TrainingModelConfig = field(default_factory=TrainingModelConfig)
     hub: HubConfig = field(default_factory=HubConfig)
+    vsa: VSAConfig = field(default_factory=VSAConfig)
 
 
 @dataclass
@@ -552,6 +583,7 @@ class RunConfig:
     def check(self) -> None:
         """The checks across sections (keys dotted from the root)."""
         st, tm = self.models.student, self.training.model
+        self._check_vsa()
         if st.storage_dtype is not None and tm.compile != "none":
             raise Invalid("training.model.compile", says=(
                 f"{tm.compile!r} with models.student.storage_dtype "
@@ -564,6 +596,28 @@ class RunConfig:
             raise Invalid("callbacks.validation.prompts", says=(
                 "sample videos of a causal student do not run under "
                 f"training.model.context_parallel (ulysses {cp.ulysses}); remove the prompts (the held-out loss runs)"
+            ))
+
+    def _check_vsa(self) -> None:
+        """VSA replaces the self-attention processors: not with block-causal attention (its
+        processors hold the causal rule) nor under context parallelism (sequences split)."""
+        vsa, st, cp = self.training.vsa, self.models.student, self.training.model.context_parallel
+        if not vsa.enabled:
+            return
+        if st.causal:
+            raise Invalid("training.vsa.sparsity", says=(
+                f"{vsa.sparsity}: video sparse attention does not combine with a block-causal student "
+                "(models.student.causal: true); set training.vsa.sparsity: 0 or models.student.causal: false"
+            ))
+        if st.storage_dtype is not None:
+            raise Invalid("training.vsa.sparsity", says=(
+                f"{vsa.sparsity} with models.student.storage_dtype {st.storage_dtype!r}: the trained gates would be "
+                "stored in that dtype too; remove one of the two"
+            ))
+        if cp.degree > 1:
+            raise Invalid("training.vsa.sparsity", says=(
+                f"{vsa.sparsity}: video sparse attention does not run under training.model.context_parallel "
+                f"(ulysses {cp.ulysses}); set training.vsa.sparsity: 0 or remove the context parallelism"
             ))
 
 
@@ -813,8 +867,26 @@ def load_config(
         source = f"{source} (with overrides {', '.join(overrides)})"
     cfg = _build_dataclass(RunConfig, data, "", source)
     validate(cfg, source)
+    check_lora_keys_enabled(cfg, data, source)
     cfg._source = source  # type: ignore[attr-defined]
     return cfg
+
+
+def check_lora_keys_enabled(cfg: RunConfig, data: dict, source: str) -> None:
+    """LoRA settings the recipe or command line gives (other than their defaults) while
+    models.student.lora.enable is false would be ignored, and the run would train every weight:
+    a ConfigError naming them. A printed recipe (`--dry-run`) holds every key at its default and passes."""
+    given = ((data.get("models") or {}).get("student") or {}).get("lora") or {}
+    lora = cfg.models.student.lora
+    if lora.enable or not isinstance(given, dict):
+        return
+    defaults = LoraConfig()
+    keys = [f"models.student.lora.{k}" for k in given if k != "enable" and getattr(lora, k) != getattr(defaults, k)]
+    if keys:
+        raise ConfigError(
+            f"{source}: {', '.join(keys)} set but models.student.lora.enable is false, so the run would train every "
+            "weight and ignore them: set models.student.lora.enable true (or remove those keys)"
+        )
 
 
 def _read_yaml(path: Path) -> dict:
@@ -971,8 +1043,8 @@ def parse_cli(argv: list[str], method: str) -> tuple[RunConfig, dict]:
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg in ("-h", "--help"):  # on stdout, exit status 0, as argparse does
-            print(_HELP.format(method=method), end="")
+        if arg in ("-h", "--help"):
+            print(help_text(method), end="")
             raise SystemExit(0)
         if not arg.startswith("--"):
             raise ConfigError(f"command line: unexpected argument {arg!r} (options start with --)")
@@ -1017,9 +1089,30 @@ def parse_cli(argv: list[str], method: str) -> tuple[RunConfig, dict]:
     return cfg, flags
 
 
-_HELP = """usage: accelerate launch train_{method}.py [--config RECIPE.yaml] [--dry-run]
-       [--output_dir DIR] [--resume_from_checkpoint latest|PATH] [--section.key VALUE ...]
-
-Without --config the built-in tiny recipe configs/tiny_{method}.yaml is used.
-Any recipe key can be overridden with its dotted name, e.g. --training.optimizer.learning_rate 2e-6.
-"""
+def help_text(method: str) -> str:
+    """train_<method>.py --help: the options, each with its default (the built-in tiny recipe's value)."""
+    recipe = default_recipe(method)
+    cfg = load_config(recipe, {"method.name": method})
+    ck, loop = cfg.training.checkpoint, cfg.training.loop
+    rel = f"configs/{recipe.name}"
+    rows = [
+        ("--config RECIPE.yaml", f"the recipe (default: {rel}, the built-in tiny one)"),
+        ("--dry-run", "print the resolved recipe and a memory estimate per process, then exit"),
+        ("--output_dir DIR", f"training.checkpoint.output_dir (default: {ck.output_dir})"),
+        ("--resume_from_checkpoint X", "latest, or a checkpoint-<step> folder (default: none, a fresh run)"),
+        ("--max_train_steps N", f"training.loop.max_train_steps (default: {loop.max_train_steps})"),
+        ("--seed N", f"training.data.seed (default: {cfg.training.data.seed})"),
+        ("--section.key VALUE", "any recipe key by its dotted name, e.g. --training.optimizer.learning_rate 2e-6 "
+         f"(default: {cfg.training.optimizer.learning_rate:g} for that one)"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [
+        f"usage: accelerate launch train_{method}.py [--config RECIPE.yaml] [--dry-run]",
+        "       [--output_dir DIR] [--resume_from_checkpoint latest|PATH] [--section.key VALUE ...]",
+        "",
+        f"options (defaults: the values of {rel}; those of another recipe: --config RECIPE.yaml --dry-run):",
+        *(f"  {name:<{width}}  {text}" for name, text in rows),
+        "",
+        "Every recipe key with its meaning and default: docs/recipes-and-keys.md.",
+    ]
+    return "\n".join(lines) + "\n"

@@ -132,8 +132,21 @@ def _base_from_folder(folder: Path) -> dict[str, Any]:
                     "model_class": student.get("model_class", "auto"),
                     "transformer_config": student.get("transformer_config"),
                     "expert": student.get("expert"),
+                    "vsa": _vsa_from_config(run_config.get("training", {}).get("vsa") or {}),
                 }
     return {}
+
+
+def _vsa_from_config(vsa: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A checkpoint recipe's `training.vsa` as base_model.json records it (None: dense)."""
+    if not vsa.get("sparsity"):
+        return None
+    return {k: vsa.get(k) for k in ("sparsity", "decay_rate", "decay_interval_steps")}
+
+
+def vsa_sparsity_of(base: dict[str, Any]) -> float:
+    """The sparsity a run trained with video sparse attention reached (0: dense)."""
+    return float((base.get("vsa") or {}).get("sparsity") or 0.0)
 
 
 def _attention_from_config(student: dict[str, Any], method: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -251,6 +264,10 @@ def export_diffusers(src: ExportSource, out: Path, stage: Stage = contextlib.nul
             if all(k.startswith(prefix) for k in state):
                 state = {k[len(prefix):]: v for k, v in state.items()}
         dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+        from fv_accel.vsa import enable_vsa, is_gate_key
+
+        if any(is_gate_key(k) for k in state):  # trained with VSA: the gates are part of the weights
+            enable_vsa(transformer, vsa_sparsity_of(src.base))
         transformer.load_state_dict(state, strict=True)
         if len(dtypes) == 1:
             transformer.to(dtypes.pop())
@@ -378,7 +395,7 @@ def export_merged(
                     f"model '{st.init_from}': its transformer is a {type(transformer).__name__}, not the run's {cls.__name__}"
                 )
         with stage("merging"):
-            merge_lora(transformer, state, metadata)
+            merge_lora(transformer, state, metadata, vsa_sparsity_of(src.base))
         with stage("saving the transformer"):
             folder = subfolder if expert in EXPERT_SUBFOLDERS else "transformer"
             written.append(_save_transformer(transformer, out, src.base.get("attention"), folder=folder))
@@ -518,21 +535,28 @@ def export(path: str | Path, to: str, out: Optional[str | Path] = None, *, base:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fv_accel.export", description=__doc__.split("\n\n")[0])
+    from fv_accel.process import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fv_accel.export", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("source", help="a run's output folder, one of its checkpoint-<step> folders, or a LoRA file")
-    parser.add_argument("--to", required=True, choices=TARGETS)
+    parser.add_argument("--to", required=True, choices=TARGETS, help="what to write (docs/export-targets.md)")
     parser.add_argument(
         "--out", default=None, help="output folder (default: <output_dir>/exports/<checkpoint-N or final>_<to>)"
     )
     parser.add_argument("--base", default=None, help="base model for --to merged (default: the run's own)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="dtype of a merged export")
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+        help="dtype of a merged export (default: the run's models.student.torch_dtype)",
+    )
     parser.add_argument(
         "--push_to_hub", default=None, metavar="REPO",
         help="then upload the export folder (with a model card, README.md) to the Hub model repo REPO; "
         f"a failed upload is one line and exit status {PUSH_FAILED_EXIT_CODE}, the export kept",
     )
     parser.add_argument("--private", action="store_true", help="with --push_to_hub: create the repo private")
-    parser.add_argument("--revision", default=None, help="with --push_to_hub: the branch to upload to (created if absent)")
+    parser.add_argument("--revision", default=None, help="with --push_to_hub: the branch to upload to (created if absent; default: main)")
     args = parser.parse_args(argv)
     from fv_accel.models.loading import ModelLoadError
 

@@ -84,7 +84,8 @@ def card_text(
     lines = [f"---\n{front}\n---", "", f"# {title}", ""]
     lines += _training_lines(cfg, lora, shift, data_size, steps, summary)
     lines += ["", "## Use it with diffusers", ""]
-    lines += _diffusers_snippet(output_dir, where, family, kind, lora, base or st.init_from)
+    vsa = cfg.training.vsa.sparsity if cfg.training.vsa.enabled else None
+    lines += _diffusers_snippet(output_dir, where, family, kind, lora, base or st.init_from, vsa)
     lines += _usage_notes(output_dir, cfg)
     lines += _sample_lines(output_dir, cfg)
     return "\n".join(lines) + "\n"
@@ -131,6 +132,11 @@ def _training_lines(
         lines.append(f"- block-causal self-attention (local window {st.local_attn_size}, sink {st.sink_size}); recorded in the transformer's config.json")
     if lora:
         lines.append(f"- LoRA: rank {st.lora.rank}, alpha {st.lora.alpha}, init `{st.lora.init}`")
+    vsa = cfg.training.vsa
+    if vsa.enabled:
+        ramp = f", ramped by {vsa.decay_rate:g} every {vsa.decay_interval_steps} steps" if vsa.decay_rate > 0 else ""
+        lines.append(f"- video sparse attention (VSA, fv_accel.vsa): sparsity {vsa.sparsity:g}{ramp}; trained gates "
+                     "`to_gate_compress` in every self-attention" + (" (in the LoRA file)" if lora else ""))
     opt, loop, data = cfg.training.optimizer, cfg.training.loop, cfg.training.data
     lines.append(f"- steps: {steps if steps is not None else loop.max_train_steps}, batch size {data.train_batch_size} per process x "
                  f"{loop.gradient_accumulation_steps} accumulation step(s)")
@@ -139,9 +145,9 @@ def _training_lines(
     lines.append(f"- data: `{data.data_path}` ({size})")
     lines.append(f"- text embeddings padded to {data.text_max_length} tokens")
     if summary:
-        first, last = summary.get("first_loss"), summary.get("last_loss")
-        if isinstance(first, float) and isinstance(last, float):
-            lines.append(f"- training loss {first:.4f} at the first step, {last:.4f} at the last")
+        first, last, k = summary.get("first_loss_mean"), summary.get("last_loss_mean"), summary.get("loss_mean_window")
+        if isinstance(first, float) and isinstance(last, float) and k:
+            lines.append(f"- training loss {first:.4f} -> {last:.4f} (mean of the first / last {k} logged steps)")
         if summary.get("best_heldout_loss") is not None:
             lines.append(f"- best held-out loss {summary['best_heldout_loss']:.4f} at step {summary.get('best_heldout_step')}")
     return lines
@@ -194,9 +200,35 @@ def _sample_lines(output_dir: Path, cfg: Any) -> list[str]:
     return lines
 
 
-def _diffusers_snippet(output_dir: Path, where: str, family: Any, kind: Optional[str], lora: bool, base: Optional[str]) -> list[str]:
+def _vsa_snippet(where: str, lora: bool, sparsity: float, subfolder: str = "transformer") -> list[str]:
+    """What a run trained with video sparse attention adds: VSA enabled on the transformer at the
+    trained sparsity, and its trained gates (a stock from_pretrained or load_lora_weights leaves them out)."""
+    if lora:
+        return ["", "Trained with video sparse attention (VSA): the LoRA file also holds the trained gates, which "
+                "diffusers' `load_lora_weights` refuses. Load both with fv_accel, which calls "
+                f"`fv_accel.vsa.enable_vsa(pipe.transformer, sparsity={sparsity:g})` before sampling:", "",
+                "```python", "from fv_accel.vsa import load_vsa_lora", "",
+                f'load_vsa_lora(pipe, "{where}", sparsity={sparsity:g})  # instead of pipe.load_lora_weights', "```"]
+    return ["", f"Trained with video sparse attention (VSA): call `fv_accel.vsa.enable_vsa(pipe.transformer, sparsity={sparsity:g})` "
+            "before sampling, then load the trained gates (`from_pretrained` drops them; a Hub repo: its local "
+            "snapshot folder):", "",
+            "```python", "from fv_accel.vsa import enable_vsa, load_vsa_gates", "",
+            f"enable_vsa(transformer, sparsity={sparsity:g})  # the transformer loaded above (pipe.transformer)",
+            f'load_vsa_gates(transformer, "{where}/{subfolder}")', "```"]
+
+
+def _diffusers_snippet(
+    output_dir: Path, where: str, family: Any, kind: Optional[str], lora: bool, base: Optional[str], vsa: Optional[float] = None
+) -> list[str]:
     """Loading code: DiffusionPipeline picks the base repo's own pipeline class (model_index.json),
-    which is right for every family and task; the transformer class is the student's."""
+    which is right for every family and task; the transformer class is the student's. `vsa`: the
+    sparsity of a run trained with video sparse attention (its gates need fv_accel to load)."""
+    return _plain_snippet(output_dir, where, family, kind, lora, base) + (
+        [] if vsa is None else _vsa_snippet(where, lora, vsa)
+    )
+
+
+def _plain_snippet(output_dir: Path, where: str, family: Any, kind: Optional[str], lora: bool, base: Optional[str]) -> list[str]:
     pipe = "DiffusionPipeline"
     transformer_cls = None
     if family is not None:
@@ -260,7 +292,8 @@ def export_card_text(out_dir: Path, *, source: Path, to: str, base: dict, family
         lines.append("ComfyUI LoRA file: copy `pytorch_lora_weights_comfyui.safetensors` into `ComfyUI/models/loras/` "
                      "and apply it to the base model with a *LoraLoaderModelOnly* node.")
     else:
-        lines += _diffusers_snippet(out_dir, where, family, base.get("model_class"), lora and to != "merged", init_from)
+        vsa = (base.get("vsa") or {}).get("sparsity") or None
+        lines += _diffusers_snippet(out_dir, where, family, base.get("model_class"), lora and to != "merged", init_from, vsa)
     return "\n".join(lines) + "\n"
 
 

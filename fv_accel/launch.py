@@ -13,6 +13,13 @@ exit 0; see fv_accel.trainer) and the launcher goes on waiting for them as usual
 exits with their status: 0 after a clean stop. The handlers Accelerate's and torch's launchers
 install for SIGTERM are not installed (they would end the launch); their other signals (Ctrl-C
 included) keep their usual effect.
+
+A training process that fails ends the launch with its exit status (2 for an input error, 1 for a
+stop, 3 for a failed push), after its one `error:` line and nothing more: plain `accelerate launch`
+adds its own traceback (a CalledProcessError that repeats the line, for one process; torch's
+ChildFailedError and its failure table, for several), which is left out here. A process killed by
+a signal gets one line naming its rank and the signal. FV_ACCEL_TRACEBACK=1 keeps the launcher's
+traceback.
 """
 
 from __future__ import annotations
@@ -55,12 +62,63 @@ def keep_relay_for_sigterm() -> None:
     signal.signal = install
 
 
+# Exit statuses of the entry scripts whose reason they have already said in their `error:` line.
+EXPLAINED_EXIT_CODES = (1, 2, 3)
+
+
+def training_exit_status(err: BaseException) -> Optional[int]:
+    """The exit status of the failed training process behind a launcher's exception (the first to
+    fail), or None for another exception. A process ended by a signal is named in one line."""
+    import subprocess
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if isinstance(err, subprocess.CalledProcessError):
+        code = err.returncode
+        rank = 0
+    elif isinstance(err, ChildFailedError):
+        rank, failure = err.get_first_failure()
+        code = failure.exitcode
+    else:
+        return None
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        os.write(2, f"fv_accel.launch: training process of rank {rank} was ended by {name}\n".encode())
+        return 128 - code
+    if code not in EXPLAINED_EXIT_CODES:
+        os.write(2, f"fv_accel.launch: training process of rank {rank} exited with status {code}\n".encode())
+    return code
+
+
+class _DropExplainedFailure:
+    """A logging filter for torch's elastic agent: its `failed (exitcode: N)` line for a process
+    that has said why it failed."""
+
+    def filter(self, record) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (str(record.msg).startswith("failed (exitcode") and args and args[0] in EXPLAINED_EXIT_CODES)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
+    import logging
+
     from accelerate.commands.launch import launch_command, launch_command_parser
+
+    from fv_accel.process import traceback_wanted
 
     args = launch_command_parser().parse_args(sys.argv[1:] if argv is None else argv)
     keep_relay_for_sigterm()
-    launch_command(args)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropExplainedFailure())
+    try:
+        launch_command(args)
+    except Exception as err:
+        code = None if traceback_wanted() else training_exit_status(err)
+        if code is None:
+            raise
+        sys.exit(code)
 
 
 if __name__ == "__main__":

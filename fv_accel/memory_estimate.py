@@ -303,8 +303,9 @@ def _config_reachable(model: str, subfolder: Optional[str], revision: Optional[s
     certainly not (offline and not in the Hugging Face cache)."""
     if Path(model).exists():
         return True
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    if not offline:
+    from fv_accel.hub_access import offline_unless_hub_answers
+
+    if not offline_unless_hub_answers():
         return True  # fetched (a few KB) by fetch_config
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -351,6 +352,10 @@ def build_meta_transformer(cfg: RunConfig, config: dict) -> torch.nn.Module:
             if not any(part in keep for part in name.split(".")):
                 for p in module.parameters(recurse=False):
                     p.data = p.data.to(dtype)
+    if cfg.training.vsa.enabled:  # the gates of video sparse attention: one Linear(dim, dim) per block
+        from fv_accel.vsa import enable_vsa
+
+        enable_vsa(model, cfg.training.vsa.sparsity)
     storage = st.storage_dtype
     if storage:
         try:
@@ -364,7 +369,11 @@ def build_meta_transformer(cfg: RunConfig, config: dict) -> torch.nn.Module:
         model.requires_grad_(False)
         with init_empty_weights():
             model.add_adapter(peft_lora_config(lora), adapter_name="default")
-        for p in model.parameters():
+        from fv_accel.vsa import is_gate_key
+
+        for name, p in model.named_parameters():
+            if is_gate_key(name):  # VSA's gates train fully beside the adapter
+                p.requires_grad_(True)
             if p.requires_grad:  # the adapter trains in fp32 (diffusers' cast_training_params)
                 p.data = p.data.to(torch.float32)
     else:

@@ -107,6 +107,8 @@ def plot_heldout(series: Series, out: Path) -> Optional[Path]:
         axes[0].plot(*series[key], "o-", color=color, markersize=3, label="sigma " + key.rsplit("_", 1)[1])
     if "heldout/loss" in series:
         axes[0].plot(*series["heldout/loss"], "o-", color="black", linewidth=2.2, label="mean over buckets")
+    if "heldout/dense_loss" in series:  # VSA runs: the dense view of the same weights
+        axes[0].plot(*series["heldout/dense_loss"], "s--", color="tab:red", linewidth=1.5, label="mean, dense view (VSA)")
     axes[0].set_ylabel("held-out loss")
     axes[0].set_yscale("log")
     axes[0].legend(loc="upper right", fontsize=7, ncol=2)
@@ -188,9 +190,13 @@ def log_png_images(accelerator, images: dict[str, Path], step: int) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fv_accel.plot", description=__doc__.split("\n\n")[0])
+    from fv_accel.process import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fv_accel.plot", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("output_dir", help="a run's output_dir (holding logs/metrics.jsonl)")
-    parser.add_argument("--out", default=None, help="folder for the PNGs (default OUTPUT_DIR/plots)")
+    parser.add_argument("--out", default=None, help="folder for the PNGs (default: OUTPUT_DIR/plots)")
     args = parser.parse_args(argv)
     try:
         written = write_plots(args.output_dir, args.out)

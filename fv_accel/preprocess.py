@@ -604,6 +604,16 @@ def _check_buckets(spec: Any, sampling: FrameSampling, model: str) -> None:
         )
 
 
+def warn_if_upscaled(name: str, source: tuple[int, int], bucket: tuple[int, int]) -> None:
+    """One warning line when a clip is smaller than its bucket on either side (its frames are enlarged)."""
+    (src_h, src_w), (h, w) = source, (int(bucket[0]), int(bucket[1]))
+    if src_h < h or src_w < w:
+        logger.warning(
+            "%s: upscaled %.1fx: its frames are %dx%d (HEIGHTxWIDTH), smaller than its %dx%d bucket; smaller "
+            "--buckets keep it sharp", name, max(h / src_h, w / src_w), src_h, src_w, h, w,
+        )
+
+
 class _EncodeJob:
     """One process's encoding: the settings, the encoder (loaded at the first clip that needs it),
     the rows already encoded (reused by key) and the counts; its stages encode a shard's clips,
@@ -650,8 +660,28 @@ class _EncodeJob:
             )
         return self.encoder
 
+    def latent_space(self) -> dict:
+        """What fv_dataset.json says of the latents' space: the model family and its VAE class
+        (training refuses a student of another latent space, fv_accel.build.check_dataset_family)."""
+        from fv_accel.models.loading import ModelLoadError, fetch_config
+
+        info: dict = {}
+        if self.family is not None:
+            info["family"] = self.family.family
+            try:
+                vae_class = (fetch_config(self.model, "vae", revision=self.revision, required=False) or {}).get("_class_name")
+            except ModelLoadError:
+                vae_class = None
+        else:
+            vae = getattr(self.encoder, "vae", None)
+            vae_class = type(vae).__name__ if vae is not None else None
+        if vae_class:
+            info["vae_class"] = vae_class
+        return info
+
     def encode(self, clip: ClipSource, payload: Union[Path, bytes], content: str, key: str) -> dict:
         got = read_clip(payload, clip.name, self.sampling, content)
+        warn_if_upscaled(clip.name, got.source_size, got.frames.shape[1:3])
         enc = self.get_encoder()
         t = time.perf_counter()
         latent = enc.encode_video(got.frames)
@@ -763,7 +793,7 @@ class _EncodeJob:
                 stats_found = self.family.latent_statistics(self.model, self.revision)
             result = _finish(
                 self.output, self.model, self.revision, self.sampling, num_shards, world_size, form, stats_found,
-                self.conditioning, self.spec,
+                self.conditioning, self.spec, self.latent_space(),
             )
             result.seconds = time.perf_counter() - t0
         if world_size > 1:
@@ -791,6 +821,7 @@ def _finish(
     latent_stats: Optional[tuple] = None,
     conditioning: Sequence[str] = ("text",),
     spec: Any = None,
+    latent_space: Optional[dict] = None,
 ) -> PreprocessResult:
     """Main process, after every process is done: skipped.jsonl, stale files, fv_dataset.json."""
     import pyarrow.parquet as pq
@@ -827,6 +858,7 @@ def _finish(
         output,
         model=model,
         latent_stats=latent_stats,
+        **(latent_space or {}),
         preprocessing=sampling.to_dict(),
         num_rows=encoded,
         **conditioning_info(spec, conditioning),
@@ -919,8 +951,11 @@ def conditioning_info(spec: Any, conditioning: Sequence[str]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fv_accel.process import DefaultsHelpFormatter
+
     p = argparse.ArgumentParser(
         prog="python -m fv_accel.preprocess",
+        formatter_class=DefaultsHelpFormatter,
         description="Encode clips and captions into FastVideo-schema Parquet latents (run under "
         "`accelerate launch` to shard the clips over processes).",
     )
@@ -929,22 +964,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="output folder (rerun into the same folder to resume)")
     p.add_argument("--num_frames", default="81", help="frames per clip, 4k+1; a list (33,81) takes the longest a clip can fill")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--frame_stride", type=int, default=1, help="take every N-th source frame (default 1)")
-    g.add_argument("--target_fps", type=float, default=None, help="sample frames at this rate instead of a stride")
+    g.add_argument("--frame_stride", type=int, default=1, help="take every N-th source frame")
+    g.add_argument("--target_fps", type=float, default=None, help="sample frames at this rate instead of a stride (default: the source rate, with --frame_stride)")
     p.add_argument("--start", choices=["head", "uniform"], default="head", help="where the frames start in a longer clip")
     p.add_argument("--buckets", default="480x832", help="HEIGHTxWIDTH[,...]: each clip is resized and centre-cropped to the nearest")
     p.add_argument("--seed", type=int, default=0, help="seed of the uniform start")
-    p.add_argument("--video_column", default=None)
-    p.add_argument("--caption_column", default=None)
+    p.add_argument("--video_column", default=None, help="metadata/dataset column of the clips (default: found by its name)")
+    p.add_argument("--caption_column", default=None, help="metadata/dataset column of the captions (default: found by its name)")
     p.add_argument("--split", default="train", help="split of a Hugging Face dataset")
-    p.add_argument("--revision", default=None)
+    p.add_argument("--revision", default=None, help="revision (branch, tag, commit) of a Hub --model (default: main)")
     p.add_argument("--shard_size", type=int, default=32, help="clips per Parquet shard")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--vae_tiling", action="store_true", help="encode in spatial tiles (less memory at high resolution)")
     p.add_argument(
         "--caption_encoding",
         default="utf-8",
-        help="text encoding of caption and metadata files (default utf-8; e.g. latin-1, cp1252)",
+        help="text encoding of caption and metadata files (e.g. latin-1, cp1252)",
     )
     return p
 

@@ -25,12 +25,16 @@ def list_lines() -> list[str]:
 def main(argv: Optional[list[str]] = None) -> None:
     models = tiny_models()
     default_model, class_aliases = tiny_model_defaults()
-    parser = argparse.ArgumentParser(prog="python -m fv_accel.tiny_model", description=__doc__.split("\n\n")[0])
+    from fv_accel.process import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fv_accel.tiny_model", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("out_dir", nargs="?", help="folder to write the model to")
-    parser.add_argument("--model", choices=list(models), default=None, help=f"which model (default {default_model}; --list)")
+    parser.add_argument("--model", choices=list(models), default=None, help=f"which model (default: {default_model}; --list)")
     parser.add_argument("--class", dest="model_class", choices=list(class_aliases), default=None,
                         help="older spelling: wan = --model wan21_t2v, skyreels_v2 = --model skyreels_v2")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--list", action="store_true", help="print the models, one a line, and exit")
     args = parser.parse_args(argv)
     if args.list:

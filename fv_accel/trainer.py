@@ -178,6 +178,30 @@ class StepOutcome:
     logs: dict = dataclasses.field(default_factory=dict)
 
 
+# The end line's loss: the mean over this many logged steps at each end of the run (one step's
+# loss is noisy: its timestep is drawn at random).
+LOSS_ENDS_WINDOW = 10
+
+
+def smoothed_loss_ends(history: list[dict], window: int = LOSS_ENDS_WINDOW) -> dict:
+    """The mean training loss of the first and of the last `window` logged steps (fewer when the
+    run logged fewer than 2 x `window`: the two windows never overlap); non-finite losses (skipped
+    steps) are left out. Keys first_loss_mean, last_loss_mean, loss_mean_window."""
+    losses = [float(h["loss"]) for h in history if "loss" in h and math.isfinite(float(h["loss"]))]
+    k = max(1, min(window, len(losses) // 2))
+    if not losses:
+        return {"first_loss_mean": math.nan, "last_loss_mean": math.nan, "loss_mean_window": 0}
+    return {"first_loss_mean": sum(losses[:k]) / k, "last_loss_mean": sum(losses[-k:]) / k, "loss_mean_window": k}
+
+
+def describe_loss_ends(summary: dict, log_every: int) -> str:
+    """The end line's loss, saying how it is smoothed: `loss (mean of the first/last 10 steps) A -> B`."""
+    k = summary["loss_mean_window"]
+    steps = "step" if k == 1 else f"{k} steps" if log_every == 1 else f"{k} logged steps (every {log_every})"
+    how = f"first/last {steps}" if k == 1 else f"mean of the first/last {steps}"
+    return f"loss ({how}) {summary['first_loss_mean']:.4f} -> {summary['last_loss_mean']:.4f}"
+
+
 @dataclasses.dataclass
 class RunTally:
     """This run's steps, samples and latent tokens (all data-parallel ranks), for the summary."""
@@ -225,6 +249,14 @@ class Trainer:
         self._dump_registered = False
         # DeepSpeed: the loss is checked before backward, since the engine steps inside it.
         self.steps_in_backward = engine_steps_in_backward(self.accelerator)
+        # Video sparse attention: the sparsity of the last step trained (a resumed run's), until the next.
+        self._set_vsa_step(self.start_step)
+
+    def _set_vsa_step(self, step: int) -> None:
+        """The method's VSA ramp at optimizer step `step` (nothing with dense attention)."""
+        set_step = getattr(self.method, "set_vsa_step", None)
+        if set_step is not None:
+            set_step(step)
 
     # ---- trainer counters kept in checkpoints (metadata.json) ----
     def state_dict(self) -> dict:
@@ -578,6 +610,7 @@ class Trainer:
     def _train_step(self, data_iter: Iterator, loop: "LoopSettings") -> "StepOutcome":
         acc = self.accelerator
         out = StepOutcome()
+        self._set_vsa_step(self.step + 1)
         for _ in range(loop.accumulation):
             td = time.perf_counter()
             batch = next(data_iter)
@@ -743,6 +776,9 @@ class Trainer:
             logs.update(zip(names, reduced.tolist()))
             logs["loss"] = logs["total_loss"]
         logs["lr"] = float(self.method.lr_scheduler.get_last_lr()[0])
+        vsa_sparsity = getattr(self.method, "vsa_sparsity", None)
+        if vsa_sparsity is not None:
+            logs["vsa_sparsity"] = vsa_sparsity
         if log_now and out.grad_norm is not None:
             logs["grad_norm"] = float(out.grad_norm)
         logs["step_time"] = out.step_time
@@ -775,6 +811,7 @@ class Trainer:
             "samples_per_s": tally.samples / wall if wall > 0 else math.nan,
             "first_loss": self.history[0]["loss"] if self.history else math.nan,
             "last_loss": self.history[-1]["loss"] if self.history else math.nan,
+            **smoothed_loss_ends(self.history),
             "skipped_steps": self.skipped_steps,
             "stopped_by": stopped_by,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
@@ -791,10 +828,8 @@ class Trainer:
                 self._write_model_card(summary)
         if acc.is_main_process and stopped_by is None:
             logger.info("run summary: %s", summary)
-            print(
-                f"done: {tally.steps} steps in {wall:.1f}s, loss {summary['first_loss']:.4f} -> "
-                f"{summary['last_loss']:.4f}; outputs in {self.output_dir}"
-            )
+            print(f"done: {tally.steps} steps in {wall:.1f}s, {describe_loss_ends(summary, cfg.training.tracker.log_every)}; "
+                  f"outputs in {self.output_dir}")
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None

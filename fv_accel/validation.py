@@ -424,6 +424,8 @@ class HeldoutLossCallback(TrainerCallback):
         )
         with evaluation_mode(trainer) as student:
             device = acc.device
+            # Under VSA: the run's sparse view, then the dense view of the same weights (sparsity 0).
+            views = (False, True) if student.vsa_controllers else (False,)
             for slot in slots:
                 real = slot < len(self.rows)
                 row = self.rows[slot] if real else self.rows[0]
@@ -435,19 +437,24 @@ class HeldoutLossCallback(TrainerCallback):
                 noise = torch.randn(latents.shape, generator=g, dtype=torch.float32).to(device)
                 evals = self._evaluations(method.table, latents.shape[2] - cond.clean_frames, chunk_size)
                 if sums is None:
-                    keys = [k for k, _ in evals]
-                    sums = torch.zeros(len(evals), dtype=torch.float64, device=device)
-                for j, (_, idx) in enumerate(evals):
-                    idx = idx.to(device) if chunk_size is None else _with_clean_frames(idx.to(device)[None], cond)
-                    loss = method.heldout_loss(latents, noise, idx, cond)
-                    if real:
-                        sums[j] += loss.double()
+                    keys = [k.replace("heldout/", "heldout/dense_" if dense else "heldout/") for dense in views for k, _ in evals]
+                    sums = torch.zeros(len(keys), dtype=torch.float64, device=device)
+                for v, dense in enumerate(views):
+                    with student.vsa_view(dense):
+                        for j, (_, idx) in enumerate(evals):
+                            idx = idx.to(device) if chunk_size is None else _with_clean_frames(idx.to(device)[None], cond)
+                            loss = method.heldout_loss(latents, noise, idx, cond)
+                            if real:
+                                sums[v * len(evals) + j] += loss.double()
         assert sums is not None  # every rank has per_rank >= 1 slots (the held-out set is never empty)
         total = acc.reduce(sums, reduction="sum") / cp.degree if acc.num_processes > 1 else sums
         means = (total / len(self.rows)).tolist()
         out = dict(zip(keys, means))
         bucket_keys = [k for k in keys if k.startswith("heldout/sigma_")]
         out["heldout/loss"] = float(np.mean([out[k] for k in bucket_keys]))
+        dense_keys = [k for k in keys if k.startswith("heldout/dense_sigma_")]
+        if dense_keys:
+            out["heldout/dense_loss"] = float(np.mean([out[k] for k in dense_keys]))
         return out
 
     def _run(self, trainer: Any, step: int) -> None:

@@ -79,6 +79,32 @@ def check_sparsity(sparsity: Any, what: str = "sparsity") -> float:
     return float(sparsity)
 
 
+def ramp_sparsity(step: int, sparsity: float, decay_rate: float = 0.0, decay_interval_steps: int = 0) -> float:
+    """The training sparsity of optimizer step `step` (1-based, as logged): `sparsity` throughout
+    when `decay_rate` is 0, else `min(sparsity, decay_rate * floor(step / decay_interval_steps))`,
+    the ramp of FastVideo's VSA docs. It depends on the step alone, so a resumed run continues it."""
+    if decay_rate <= 0:
+        return float(sparsity)
+    return float(min(sparsity, decay_rate * (int(step) // int(decay_interval_steps))))
+
+
+@dataclass(frozen=True)
+class VSAMetadata:
+    """What a training forward attends with under VSA (the methods' `attn_metadata_vsa`): the
+    token grid, the tiles along t, h, w and the step's sparsity."""
+
+    grid: tuple[int, int, int]
+    tiles: tuple[int, int, int]
+    sparsity: float
+
+    @classmethod
+    def of(cls, latent_shape: Any, patch_size: tuple[int, int, int], sparsity: float) -> "VSAMetadata":
+        """From a latent shape [B, C, T, H, W] and the transformer's (t, h, w) patch."""
+        grid = tuple(int(n) // int(p) for n, p in zip(tuple(latent_shape)[2:], patch_size))
+        tiles = tuple(math.ceil(g / t) for g, t in zip(grid, TILE_SIZE))
+        return cls(grid, tiles, float(sparsity))  # type: ignore[arg-type]
+
+
 def check_backend(backend: Any) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"VSA backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -628,7 +654,9 @@ class WanVSAProcessor:
         else:
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
         query, key = attn.norm_q(query), attn.norm_k(key)
-        gate = getattr(attn, GATE_NAME)(hidden_states)
+        gate_layer = getattr(attn, GATE_NAME)
+        # A LoRA run trains the gate in fp32 beside a low-precision base: its input follows its weight.
+        gate = gate_layer(hidden_states.to(gate_layer.weight.dtype))
         query, key, value, gate = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value, gate))
         query = _apply_rotary(query, *rotary_emb)
         key = _apply_rotary(key, *rotary_emb)
@@ -750,10 +778,28 @@ def is_gate_key(key: str) -> bool:
     return f".{GATE_NAME}." in key
 
 
-def _read_gate_tensors(source: Union[str, Path, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+# The prefix of transformer keys in diffusers' LoRA files (`pytorch_lora_weights.safetensors`),
+# where a LoRA run with VSA keeps its trained gates beside the adapter.
+LORA_FILE_PREFIX = "transformer."
+
+
+def gate_key_to_ours(key: str) -> str:
+    """A gate key of any checkpoint we read (ours, FastWan's, a LoRA file's) -> the transformer's."""
+    if key.startswith(LORA_FILE_PREFIX):
+        key = key[len(LORA_FILE_PREFIX):]
+    return fastwan_key_to_ours(key)
+
+
+def gate_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The gates of a transformer state dict, detached fp32 copies on the CPU (what a LoRA run
+    writes beside its adapter)."""
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items() if is_gate_key(k)}
+
+
+def read_gate_tensors(source: Union[str, Path, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The gate tensors (our names) of a state dict, or of the safetensors files of a folder."""
     if isinstance(source, Mapping):
-        return {fastwan_key_to_ours(k): v for k, v in source.items() if is_gate_key(k)}
+        return {gate_key_to_ours(k): v for k, v in source.items() if is_gate_key(k)}
     from safetensors import safe_open
 
     folder = Path(source)
@@ -765,7 +811,7 @@ def _read_gate_tensors(source: Union[str, Path, Mapping[str, torch.Tensor]]) -> 
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if is_gate_key(key):
-                    out[fastwan_key_to_ours(key)] = f.get_tensor(key)
+                    out[gate_key_to_ours(key)] = f.get_tensor(key)
     return out
 
 
@@ -776,7 +822,7 @@ def load_vsa_gates(transformer: torch.nn.Module, source: Union[str, Path, Mappin
     the transformer must be found, or nothing is loaded."""
     if vsa_controller(transformer) is None:
         raise RuntimeError("load_vsa_gates: call enable_vsa(transformer, sparsity) first")
-    gates = _read_gate_tensors(source)
+    gates = read_gate_tensors(source)
     own = {k: v for k, v in transformer.state_dict().items() if is_gate_key(k)}
     missing = sorted(set(own) - set(gates))
     if missing:
@@ -789,3 +835,45 @@ def load_vsa_gates(transformer: torch.nn.Module, source: Union[str, Path, Mappin
             )
     transformer.load_state_dict({k: gates[k] for k in own}, strict=False)
     return len(own)
+
+
+# The adapter file of a LoRA run (diffusers' LORA_WEIGHT_NAME_SAFE); with VSA it holds the gates too.
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def load_vsa_lora(
+    pipe: Any,
+    source: Union[str, Path],
+    sparsity: float,
+    *,
+    backend: str = "auto",
+    weight_name: str = LORA_FILE,
+    adapter_name: Optional[str] = None,
+) -> VSAController:
+    """Load the LoRA of a run trained with VSA (its adapter file holds the adapter and the trained
+    gates, `transformer.blocks.N.attn1.to_gate_compress.*`) into a diffusers pipeline:
+    `enable_vsa(pipe.transformer, sparsity)`, the gates, then the adapter through the transformer's
+    `load_lora_adapter` with the file's adapter metadata (alpha as trained). diffusers'
+    `load_lora_weights` refuses a file with keys that are not LoRA's. `source`: the file, or the
+    folder holding `weight_name`. Returns the controller."""
+    import json
+
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+    from safetensors import safe_open
+
+    path = Path(source)
+    path = path / weight_name if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"load_vsa_lora: no LoRA file at {path}")
+    with safe_open(str(path), framework="pt") as f:
+        state = {gate_key_to_ours(k) if is_gate_key(k) else k: f.get_tensor(k) for k in f.keys()}
+        raw = (f.metadata() or {}).get(LORA_ADAPTER_METADATA_KEY)
+    gates = {k: v for k, v in state.items() if is_gate_key(k)}
+    if not gates:
+        raise KeyError(f"load_vsa_lora: {path} holds no VSA gates (to_gate_compress): load it with load_lora_weights")
+    metadata = json.loads(raw) if raw else None  # keys `transformer.<field>`, as load_lora_adapter reads them
+    controller = enable_vsa(pipe.transformer, sparsity, backend)
+    load_vsa_gates(pipe.transformer, gates)
+    adapter = {k: v for k, v in state.items() if not is_gate_key(k)}
+    pipe.transformer.load_lora_adapter(adapter, prefix="transformer", metadata=metadata, adapter_name=adapter_name)
+    return controller

@@ -149,7 +149,8 @@ def test_card_of_a_full_run_shows_samples_curves_and_loading(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("{}")
     text = card_text(tmp_path, cfg, family=WanStudent, kind="wan", task="t2v", shift=3.0, data_size=8, steps=300,
-                     summary={"first_loss": 1.5, "last_loss": 0.5, "best_heldout_loss": 0.7, "best_heldout_step": 300})
+                     summary={"first_loss": 1.5, "last_loss": 0.5, "first_loss_mean": 1.25, "last_loss_mean": 0.625,
+                              "loss_mean_window": 10, "best_heldout_loss": 0.7, "best_heldout_step": 300})
     card = ModelCard.load(write_model_card(tmp_path, text))
     assert card.data.base_model == "Wan-AI/Wan2.1-T2V-1.3B-Diffusers" and "lora" not in card.data.tags
     body = card.text
@@ -158,4 +159,5 @@ def test_card_of_a_full_run_shows_samples_curves_and_loading(tmp_path):
     assert "At step 300:" in body and '<video src="samples/step-300/01-b.mp4"' in body and "step-0/" not in body
     assert "- a green square moving down on a black background" in body  # the recipe's sample prompts
     assert "![Held-out loss](plots/heldout_loss.png)" in body and "best held-out loss 0.7000 at step 300" in body
+    assert "training loss 1.2500 -> 0.6250 (mean of the first / last 10 logged steps)" in body
     assert "ComfyUI" not in body  # a full fine-tune has no ComfyUI LoRA file

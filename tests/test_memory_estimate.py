@@ -31,13 +31,13 @@ def _cfg(recipe=TINY, **overrides):
 
 def test_components_equal_those_of_the_built_student():
     """Parameters, gradients, AdamW state and EMA: the estimate's bytes are those of the student,
-    optimizer and EMA training builds, exactly (full fine-tune and LoRA)."""
+    optimizer and EMA training builds, exactly (full fine-tune and LoRA, dense and with VSA's gates)."""
     from fv_accel.ema import EmaWeights
     from fv_accel.models import build_student
     from fv_accel.optim import build_optimizer
 
-    for lora in (False, True):
-        cfg = _cfg(**{"callbacks.ema.enable": True, "models.student.lora.enable": lora})
+    for lora, sparsity in ((False, 0.0), (True, 0.0), (False, 0.75), (True, 0.75)):
+        cfg = _cfg(**{"callbacks.ema.enable": True, "models.student.lora.enable": lora, "training.vsa.sparsity": sparsity})
         student = build_student(cfg)
         est = estimate_memory(cfg, {})
         params = list(student.transformer.parameters())

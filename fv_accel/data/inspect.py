@@ -104,7 +104,11 @@ def report(path: str, *, batch_size: int = 1, num_processes: int = 1, grad_accum
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fv_accel.data.inspect", description=__doc__.split("\n\n")[0])
+    from fv_accel.process import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(
+        prog="python -m fv_accel.data.inspect", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("path", help="a dataset folder or one Parquet file")
     p.add_argument("--batch_size", type=int, default=1, help="training.data.train_batch_size")
     p.add_argument("--num_processes", type=int, default=1, help="training processes (GPUs)")

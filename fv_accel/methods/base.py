@@ -127,13 +127,44 @@ class TrainingMethod:
             raise ValueError(f"{label} requires student to be trainable")
 
     def _init_student(self) -> None:
-        """The student reads its preprocessors; the index range follows the recipe and the student."""
+        """The student reads its preprocessors; the index range follows the recipe and the student;
+        under VSA the student starts at the ramp's sparsity before the first step."""
         self.student.init_preprocessors(self.training_config)
         self._timestep_index_range = self._index_range()
+        self.set_vsa_step(0)
 
     def _infer_attn_kind(self) -> Literal["dense", "vsa"]:
-        # Video sparse attention is a FastVideo kernel with no diffusers counterpart: always dense.
-        return "dense"
+        """"vsa" when the recipe trains with video sparse attention (`training.vsa.sparsity` > 0:
+        the student has VSA installed, fv_accel/vsa.py), else "dense"."""
+        if not self.training_config.vsa.enabled:
+            return "dense"
+        if not self.student.vsa_controllers:
+            raise ValueError(f"training.vsa.sparsity: the {self.student.family} student has no video sparse attention installed")
+        return "vsa"
+
+    # ---- video sparse attention ----
+    # The sparsity of the step being trained under VSA; None with dense attention.
+    vsa_sparsity: Optional[float] = None
+
+    def set_vsa_step(self, step: int) -> Optional[float]:
+        """Under VSA: the sparsity of optimizer step `step` (1-based; 0 before the first) from the
+        recipe's ramp, set on the student's attention and returned; None with dense attention."""
+        if getattr(self, "_attn_kind", "dense") != "vsa":
+            return None
+        from fv_accel.vsa import ramp_sparsity
+
+        spec = self.training_config.vsa
+        self.vsa_sparsity = ramp_sparsity(step, spec.sparsity, spec.decay_rate, spec.decay_interval_steps)
+        self.student.set_vsa_sparsity(self.vsa_sparsity)
+        return self.vsa_sparsity
+
+    def attach_vsa_metadata(self, tb: TrainingBatch) -> TrainingBatch:
+        """Under VSA, the forward's `attn_metadata_vsa` (token grid, tiles, the step's sparsity)."""
+        if getattr(self, "_attn_kind", "dense") == "vsa":
+            from fv_accel.vsa import VSAMetadata
+
+            tb.attn_metadata_vsa = VSAMetadata.of(tb.noisy_model_input.shape, self.student.patch_size, self.vsa_sparsity)
+        return tb
 
     # ---- the timestep range ----
     def _index_range(self) -> tuple[int, int]:
@@ -271,7 +302,8 @@ class TrainingMethod:
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """The (loss_map, outputs, metrics) every method's single_train_step returns."""
         loss_map = {"total_loss": loss, loss_key: loss}
-        outputs: dict[str, Any] = {"_fv_backward": (tb.timesteps, tb.attn_metadata), "training_batch": tb}
+        metadata = tb.attn_metadata_vsa if getattr(self, "_attn_kind", "dense") == "vsa" else tb.attn_metadata
+        outputs: dict[str, Any] = {"_fv_backward": (tb.timesteps, metadata), "training_batch": tb}
         # Tensors, not floats: converting here would sync the device every micro-step.
         metrics: dict[str, Any] = {"mean_sigma": tb.sigmas.detach().float().mean()}
         return loss_map, outputs, metrics
@@ -295,4 +327,13 @@ class TrainingMethod:
             "models.student.flow_shift": self.student.describe_training_shift(),
             "training.loop.max_train_steps": self.training_config.loop.max_train_steps,
             "training.optimizer.lr_scheduler": self.training_config.optimizer.lr_scheduler,
+            **self._vsa_signature(),
         }
+
+    def _vsa_signature(self) -> dict[str, Any]:
+        """Under VSA, its ramp (a resume that changes it changes the math); nothing when dense."""
+        if getattr(self, "_attn_kind", "dense") != "vsa":
+            return {}
+        spec = self.training_config.vsa
+        return {"method.vsa": {"sparsity": spec.sparsity, "decay_rate": spec.decay_rate,
+                               "decay_interval_steps": spec.decay_interval_steps}}

@@ -10,6 +10,7 @@ methods (fv_accel/methods/), the flow-matching table to the scheduler adapter (f
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, Optional
 
@@ -120,6 +121,9 @@ class ModelBase:
     transformer_classes: ClassVar[dict[str, type]] = {}
     # The `_class_name`s of the family's pipelines in a repo's model_index.json.
     pipeline_class_names: ClassVar[tuple[str, ...]] = ()
+    # The `_class_name`s of the VAEs whose latents the family's transformers take (vae/config.json):
+    # a dataset encoded by another VAE is refused (fv_accel.build.check_dataset_family).
+    vae_class_names: ClassVar[tuple[str, ...]] = ()
     capabilities: ClassVar[Capabilities] = Capabilities()
     lora_target_modules: ClassVar[tuple[str, ...]] = ()
     # Why the family's transformer cannot take one timestep per latent frame (diffusion forcing
@@ -133,6 +137,8 @@ class ModelBase:
 
     transformer: torch.nn.Module
     _trainable: bool = True
+    # The VSA controllers of the transformers (`training.vsa`; fv_accel.vsa), empty when dense.
+    vsa_controllers: tuple = ()
     # Causal attention block size in latent frames, or None for bidirectional attention.
     causal_block_size: Optional[int] = None
 
@@ -254,6 +260,19 @@ class ModelBase:
             return latents
         return (latents - self.latents_mean.to(latents.device)) / self.latents_std.to(latents.device)
 
+    # ---- video sparse attention ----
+    def set_vsa_sparsity(self, sparsity: float) -> None:
+        for controller in self.vsa_controllers:
+            controller.set_sparsity(sparsity)
+
+    def vsa_view(self, dense: bool) -> contextlib.ExitStack:
+        """Forwards inside run dense (sparsity 0 on the same weights, FastVideo's dense view) when
+        `dense`, else at the current sparsity."""
+        stack = contextlib.ExitStack()
+        for controller in self.vsa_controllers if dense else ():
+            stack.enter_context(controller.dense())
+        return stack
+
     # ---- per step ----
     def clean_latents(self, batch: dict) -> torch.Tensor:
         """The batch's latents, checked and normalised: x0 as [B, C, T, H, W] fp32 on the device."""
@@ -306,8 +325,11 @@ class ModelBase:
         conditional: bool = True,
         attn_kind: str = "dense",
     ) -> torch.Tensor:
-        """The seed's name for `forward` (attention kind is fixed by the installed processor)."""
-        del attn_kind
+        """The seed's name for `forward`. The attention is the installed processors'; with
+        `attn_kind` "vsa" the batch's `attn_metadata_vsa` gives the sparsity it runs at."""
+        meta = training_batch.attn_metadata_vsa
+        if attn_kind == "vsa" and meta is not None:
+            self.set_vsa_sparsity(meta.sparsity)
         cond = training_batch.conditioning
         if cond is None:
             raise ValueError("training_batch.conditioning is not set")

@@ -271,6 +271,7 @@ class Cosmos2Student(DiffusersStudent):
     replacement, one clean condition frame (module docstring: conventions)."""
 
     family = "cosmos2"
+    vae_class_names = ("AutoencoderKLWan",)
     transformer_classes = {"cosmos2": CosmosTransformer3DModel}
     pipeline_class_names = ("Cosmos2VideoToWorldPipeline",)
     capabilities = Capabilities(per_frame_timesteps=True, causal_attention=False, image_conditioning=True)

@@ -288,6 +288,7 @@ class HunyuanVideoStudent(DiffusersStudent):
     """HunyuanVideo (text-to-video, guidance-distilled): fine-tuning, full or LoRA."""
 
     family = "hunyuan_video"
+    vae_class_names = ("AutoencoderKLHunyuanVideo",)
     transformer_classes = {"hunyuan_video": HunyuanVideoTransformer3DModel}
     pipeline_class_names = ("HunyuanVideoPipeline",)
     capabilities = Capabilities(per_frame_timesteps=False, causal_attention=False, image_conditioning=False)

@@ -158,6 +158,7 @@ class HunyuanVideo15Student(DiffusersStudent):
     timestep per sample)."""
 
     family = "hunyuan_video_15"
+    vae_class_names = ("AutoencoderKLHunyuanVideo15",)
     transformer_classes = {"hunyuan_video_15": HunyuanVideo15Transformer3DModel}
     pipeline_class_names = (PIPELINE_CLASS,)
     capabilities = Capabilities(per_frame_timesteps=False, causal_attention=False, image_conditioning=False)

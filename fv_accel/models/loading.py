@@ -9,13 +9,13 @@ model id and says what to do, instead of a stack trace from deep inside huggingf
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from fv_accel.config import StudentConfig
+from fv_accel.hub_access import hub_offline
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Accelerate mixed_precision -> the low-precision compute dtype it autocasts to.
@@ -26,12 +26,7 @@ class ModelLoadError(OSError):
     pass
 
 
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub sees it (its constant is read at import time)."""
-    from huggingface_hub import constants
 
-    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    return bool(constants.HF_HUB_OFFLINE) or env
 
 
 def _first_line(err: Exception) -> str:
@@ -57,8 +52,11 @@ def explain_load_error(
     elif "does not appear to have a file named" in str(err):
         hint = f"{_first_line(err)}; check models.student.variant/subfolder, and that those files are downloaded"
     elif isinstance(err, hf_errors.LocalEntryNotFoundError) or hub_offline():
+        from fv_accel.hub_access import unreachable_reason
+
+        why = unreachable_reason() or "HF_HUB_OFFLINE is set"
         hint = (
-            "it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download it first on a "
+            f"it is not in the local Hugging Face cache and {why}; download it first on a "
             f"machine with network (`hf download {model_id}{' --revision ' + revision if revision else ''}`; "
             "HF_HOME/HF_HUB_CACHE say where the cache is), or point the recipe at a local folder"
         )
@@ -95,8 +93,13 @@ def fetch_config(
         from huggingface_hub import hf_hub_download
         from huggingface_hub import errors as hf_errors
 
+        from fv_accel.hub_access import offline_unless_hub_answers
+
+        local_only = offline_unless_hub_answers()
         try:
-            path = Path(hf_hub_download(model_id, filename, subfolder=subfolder or None, revision=revision))
+            path = Path(
+                hf_hub_download(model_id, filename, subfolder=subfolder or None, revision=revision, local_files_only=local_only)
+            )
         except (hf_errors.HFValidationError, ValueError) as err:
             raise ModelLoadError(
                 f"model '{model_id}' is neither an existing local folder nor a valid Hub id ({_first_line(err)})"

@@ -254,8 +254,11 @@ def _vae_weights_file(model: str, revision: Optional[str]) -> Path:
         from huggingface_hub import hf_hub_download
         from huggingface_hub import errors as hf_errors
 
+        from fv_accel.hub_access import offline_unless_hub_answers
+
+        local_only = offline_unless_hub_answers()
         try:
-            return Path(hf_hub_download(model, filename, subfolder="vae", revision=revision))
+            return Path(hf_hub_download(model, filename, subfolder="vae", revision=revision, local_files_only=local_only))
         except hf_errors.EntryNotFoundError:
             return None
 
@@ -345,6 +348,7 @@ class LTXVideoStudent(DiffusersStudent):
     (`models.student.causal`: block-causal self-attention, block = method.chunk_size)."""
 
     family = "ltx_video"
+    vae_class_names = ("AutoencoderKLLTXVideo",)
     transformer_classes = {"ltx_video": LTXVideoTransformer3DModel}
     pipeline_class_names = LTX_PIPELINES
     capabilities = Capabilities(per_frame_timesteps=True, causal_attention=True, image_conditioning=False)

@@ -79,6 +79,26 @@ def inline_transformer_kwargs(cls: type, config: dict) -> dict:
     return {k: v for k, v in config.items() if not str(k).startswith("_")}
 
 
+def vsa_record(cfg: RunConfig) -> Optional[dict]:
+    """How the run used video sparse attention (`training.vsa`, for exports and the model card); None when dense."""
+    spec = cfg.training.vsa
+    if not spec.enabled:
+        return None
+    return {"sparsity": spec.sparsity, "decay_rate": spec.decay_rate, "decay_interval_steps": spec.decay_interval_steps}
+
+
+def init_weights_folder(st: StudentConfig, subfolder: Optional[str]) -> Path:
+    """The local folder of `init_from`'s weights in `subfolder` (a Hub id: its snapshot in the
+    Hugging Face cache, which loading the transformer has filled)."""
+    local = Path(st.init_from)
+    if local.exists():
+        return local / (subfolder or "")
+    from huggingface_hub import snapshot_download
+
+    pattern = f"{subfolder}/*.safetensors" if subfolder else "*.safetensors"
+    return Path(snapshot_download(st.init_from, revision=st.revision, allow_patterns=[pattern])) / (subfolder or "")
+
+
 class DiffusersStudent(ModelBase):
     """A student made of one diffusers transformer (families with more override `build_transformers`)."""
 
@@ -123,6 +143,7 @@ class DiffusersStudent(ModelBase):
         if st.causal:
             self.install_causal_attention(cfg)
         self._check_saved_attention()
+        self.install_vsa(cfg)
         # LoRA (peft): base frozen, adapter trainable in fp32; PiSSA's initial adapter is kept to
         # export against the original base (fv_accel/models/lora.py).
         self.lora_enabled = bool(st.lora.enable and trainable)
@@ -135,6 +156,7 @@ class DiffusersStudent(ModelBase):
             lora = with_default_targets(st.lora, self.lora_target_modules)
             for module in self.modules:
                 self.pissa_init_adapter = apply_lora(module, lora)
+            self.train_vsa_gates()
         self.input_dtype = self.input_dtype_of(self.modules[0])
         self.after_setup()
         if cfg.training.model.enable_gradient_checkpointing_type == "full":
@@ -142,6 +164,59 @@ class DiffusersStudent(ModelBase):
         if cfg.training.model.compile == "blocks":
             self.compile_blocks()
         self._scheduler_config: Any = False  # read on first use
+
+    # ---- video sparse attention (training.vsa) ----
+    def install_vsa(self, cfg: RunConfig) -> None:
+        """`training.vsa`: VSA on the video self-attention of every transformer, with its gates,
+        before LoRA and the engine's wrapping (so the gates are in the state dict and train). The
+        gates of `init_from` (ours, or FastWan's `blocks.N.to_gate_compress`) are loaded; a
+        checkpoint without them leaves them at zero."""
+        from fv_accel import vsa
+
+        self.vsa_controllers: list = []
+        spec = cfg.training.vsa
+        if not spec.enabled:
+            return
+        start = vsa.ramp_sparsity(0, spec.sparsity, spec.decay_rate, spec.decay_interval_steps)
+        for module in self.modules:
+            try:
+                vsa.vsa_family(module)
+            except ValueError as err:
+                raise ConfigError(
+                    f"training.vsa.sparsity {spec.sparsity}: the {self.family} family cannot train with it ({err}); "
+                    "set training.vsa.sparsity: 0"
+                ) from None
+            self.vsa_controllers.append(vsa.enable_vsa(module, start, spec.backend))
+        self._load_init_gates()
+
+    def weight_subfolders(self) -> list[Optional[str]]:
+        """The subfolder of `init_from` each of `self.modules` was loaded from."""
+        return [self.student_config.subfolder or None]
+
+    def _load_init_gates(self) -> None:
+        from fv_accel import vsa
+
+        st = self.student_config
+        if st.init_from is None:
+            return
+        for module, sub in zip(self.modules, self.weight_subfolders()):
+            folder = init_weights_folder(st, sub)
+            gates = vsa.read_gate_tensors(folder)
+            if gates:
+                count = vsa.load_vsa_gates(module, gates)
+                logger.info("VSA: %d gate tensors loaded from %s", count, folder)
+            else:
+                logger.info("VSA: %s holds no gates (to_gate_compress); they start at zero", folder)
+
+    def train_vsa_gates(self) -> None:
+        """LoRA with VSA: the gates (new layers, not in the base) train fully beside the adapter, in fp32."""
+        from fv_accel.vsa import is_gate_key
+
+        for module in self.modules:
+            for name, param in module.named_parameters():
+                if is_gate_key(name):
+                    param.data = param.data.float()
+                    param.requires_grad_(True)
 
     # ---- memory and speed ----
     def store_base_in(self, storage_dtype: str, mixed_precision: str) -> None:
@@ -346,7 +421,33 @@ class DiffusersStudent(ModelBase):
             full = accelerator.get_state_dict(self.transformer)
         module = self._unwrapped(accelerator)
         state = adapter_state_dict(module, full_state_dict=full)
-        return deployable_lora(state, adapter_metadata(module), self.pissa_init_adapter)
+        state, metadata = deployable_lora(state, adapter_metadata(module), self.pissa_init_adapter)
+        return {**state, **self.gate_state(module, full)}, metadata
+
+    def gate_state(self, module: torch.nn.Module, full_state_dict: Optional[dict] = None) -> dict[str, torch.Tensor]:
+        """Under VSA, the trained gates of `module` (they train beside a LoRA adapter and are written
+        in its file, `transformer.blocks.N.attn1.to_gate_compress.*`); nothing when dense."""
+        from fv_accel.vsa import gate_state
+
+        if not self.vsa_controllers:
+            return {}
+        return gate_state(full_state_dict if full_state_dict is not None else module.state_dict())
+
+    def load_adapter_and_gates(self, module: torch.nn.Module, state: dict, metadata: Optional[dict]) -> None:
+        """Restore a LoRA file's adapter (`trained_part_of_deployable`) and, under VSA, its gates."""
+        from fv_accel.models.lora import set_adapter_state_dict, trained_part_of_deployable
+        from fv_accel.vsa import is_gate_key, load_vsa_gates
+
+        gates = {k: v for k, v in state.items() if is_gate_key(k)}
+        adapter = {k: v for k, v in state.items() if not is_gate_key(k)}
+        if gates and not self.vsa_controllers:
+            raise ValueError(
+                f"the checkpoint's LoRA file holds VSA gates ({next(iter(gates))}) but training.vsa.sparsity is 0: "
+                "resume with the run's training.vsa settings"
+            )
+        set_adapter_state_dict(module, trained_part_of_deployable(adapter, metadata, self.student_config.lora))
+        if self.vsa_controllers:
+            load_vsa_gates(module, gates)
 
     def check_lora_file_rank(self, metadata: Optional[dict]) -> None:
         lora = self.student_config.lora
@@ -359,11 +460,9 @@ class DiffusersStudent(ModelBase):
             )
 
     def load_lora_files_state(self, state: dict, metadata: Optional[dict]) -> None:
-        """Restore the trained adapter from a file written by `lora_files_state` (resume)."""
-        from fv_accel.models.lora import set_adapter_state_dict, trained_part_of_deployable
-
+        """Restore the trained adapter (and VSA gates) from a file written by `lora_files_state` (resume)."""
         self.check_lora_file_rank(metadata)
-        set_adapter_state_dict(self._unwrapped(), trained_part_of_deployable(state, metadata, self.student_config.lora))
+        self.load_adapter_and_gates(self._unwrapped(), state, metadata)
 
     def lora_files(self, state: dict) -> dict[str, dict]:
         """File-name suffix -> the part of the adapter state written under it."""
@@ -397,6 +496,7 @@ class DiffusersStudent(ModelBase):
             "torch_dtype": st.torch_dtype,
             "model_class": self.kind,
             "transformer_config": None if st.init_from is not None else st.transformer_config,
+            "vsa": vsa_record(self.run_config),
         }
 
     # ---- outputs ----
@@ -442,6 +542,10 @@ class DiffusersStudent(ModelBase):
 
                 with init_empty_weights():
                     plain = self.transformer_classes[self.kind].from_config(unwrapped.config)
+                    if self.vsa_controllers:  # the gates are part of the trained weights
+                        from fv_accel.vsa import enable_vsa
+
+                        enable_vsa(plain, self.vsa_controllers[0].sparsity, self.vsa_controllers[0].backend)
                 plain.load_state_dict(state_dict, strict=True, assign=True)
                 unwrapped = plain
             unwrapped.save_pretrained(out, safe_serialization=True)

@@ -270,6 +270,7 @@ class WanStudent(DiffusersStudent):
     """
 
     family = "wan"
+    vae_class_names = ("AutoencoderKLWan",)
     transformer_classes = {"wan": WanTransformer3DModel, "skyreels_v2": SkyReelsV2Transformer3DModel}
     pipeline_class_names = ("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline",
                             "SkyReelsV2Pipeline", "SkyReelsV2DiffusionForcingPipeline",
@@ -338,6 +339,11 @@ class WanStudent(DiffusersStudent):
             return ExpertPair(high, low), kind, [high, low]
         transformer, kind = build_transformer(st, self._subfolder(st))
         return transformer, kind, [transformer]
+
+    def weight_subfolders(self) -> list[Optional[str]]:
+        if self.expert == "both":
+            return [EXPERT_SUBFOLDERS["high_noise"], EXPERT_SUBFOLDERS["low_noise"]]
+        return [self._subfolder(self.student_config) or None]
 
     def training_shift(self, latent_shape: torch.Size) -> float:
         """`models.student.flow_shift`, else FastVideo's Wan default (REFERENCE.md section 1)."""
@@ -662,12 +668,11 @@ class WanStudent(DiffusersStudent):
         for name in EXPERT_SUBFOLDERS:
             expert = module.expert(name)
             part, metadata = deployable_lora(adapter_state_dict(expert), adapter_metadata(expert), None)
+            part.update(self.gate_state(expert))
             state.update({f"{name}.{k}": v for k, v in part.items()})
         return state, metadata
 
     def load_lora_files_state(self, state: dict, metadata: Optional[dict]) -> None:
-        from fv_accel.models.lora import set_adapter_state_dict
-
         if self.expert != "both":
             return super().load_lora_files_state(state, metadata)
         self.check_lora_file_rank(metadata)
@@ -676,7 +681,7 @@ class WanStudent(DiffusersStudent):
             part = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
             if not part:
                 raise ValueError(f"the checkpoint's LoRA holds no adapter of the {name} expert (models.student.expert: both)")
-            set_adapter_state_dict(module.expert(name), part)
+            self.load_adapter_and_gates(module.expert(name), part, metadata)
 
     def lora_files(self, state: dict) -> dict[str, dict]:
         """A run of both experts writes each expert's adapter under its own file-name suffix."""

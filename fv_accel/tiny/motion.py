@@ -124,7 +124,11 @@ def compare(run_dir: Path, data_dir: Path, step: Optional[int] = None) -> list[d
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fv_accel.tiny.motion", description=__doc__.split("\n\n")[0])
+    from fv_accel.process import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fv_accel.tiny.motion", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("run_dir", type=Path, help="a tiny run's output folder (holds samples/step-<n>/)")
     parser.add_argument("--step", type=int, default=None, help="the validation step (default: the last)")
     parser.add_argument("--config", default=None, help="the run's recipe, for its tiny dataset (default: the tiny DFSFT recipe)")

@@ -97,7 +97,7 @@ class DiffusionForcingSFTMethod(TrainingMethod):
         self, batch: dict[str, Any], iteration: int
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, LogScalar]]:
         del iteration
-        tb = self._prepare(batch)
+        tb = self.attach_vsa_metadata(self._prepare(batch))
         pred = self.student.predict_noise(
             tb.noisy_model_input, tb.timesteps, tb, conditional=True, attn_kind=self._attn_kind
         )

@@ -24,7 +24,7 @@ class FineTuneMethod(TrainingMethod):
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, LogScalar]]:
         """Prepare targets and compute the supervised flow-matching loss."""
         del iteration
-        tb = self.prepare(batch, self.batch_generator(batch))
+        tb = self.attach_vsa_metadata(self.prepare(batch, self.batch_generator(batch)))
         pred = self.student.predict_noise(
             tb.noisy_model_input, tb.timesteps, tb, conditional=True, attn_kind=self._attn_kind
         )
