@@ -138,7 +138,7 @@ run() {  # NAME CONFIG ENTRY [RECIPE ARGS...]; launch options in LAUNCH_ARGS
     rm -rf "${OUT:?}/$name"
     echo "== $name ($config ${LAUNCH_ARGS:-}, $entry $*)"
     timeout "$RUN_TIMEOUT" "$PY" -m accelerate.commands.launch --config_file "accelerate_configs/$config" \
-        --num_processes 1 --num_machines 1 --mixed_precision bf16 ${LAUNCH_ARGS:-} \
+        --num_processes 1 --num_machines 1 --main_process_port 0 --mixed_precision bf16 ${LAUNCH_ARGS:-} \
         "$entry" --config "$RECIPE" --output_dir "$OUT/$name" --training.data.data_path "$OUT/data" "$@" \
         > "$OUT/$name.log" 2>&1
     local rc=$?

@@ -252,6 +252,24 @@ def configure_deepspeed(ds_config: dict, cfg: RunConfig) -> dict:
     return ds_config
 
 
+def output_of_its_own(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+    """A forward hook for the FSDP2 root: each view tensor of its output replaced by a copy, while
+    gradients are recorded. FSDP2 hooks the root's output tensors to start its backward; diffusers'
+    transformers return the unpatchified latents as a reshaped view, on which an in-place op would
+    drop that hook (FSDP2 warns of wrong gradients). The copy is the size of the latents."""
+    if not torch.is_grad_enabled():
+        return None
+
+    def own(value: Any) -> Any:
+        return value.clone() if isinstance(value, torch.Tensor) and value._base is not None else value
+
+    if isinstance(output, torch.Tensor):
+        return own(output)
+    if isinstance(output, tuple):
+        return tuple(own(value) for value in output)
+    return None
+
+
 def configure_fsdp2(plugin, mixed_precision: str, student) -> None:
     """FSDP2 settings that follow from the run: low-precision compute with fp32 gradient
     reduction, and one activation-checkpointing mechanism, not two."""
@@ -272,6 +290,8 @@ def configure_fsdp2(plugin, mixed_precision: str, student) -> None:
     if policy is not None and policy.param_dtype is not None and not policy.cast_forward_inputs:
         student.input_dtype = policy.param_dtype
     model = student.transformer
+    # Registered before `fully_shard` adds its own hook, so FSDP2 sees the copies.
+    model.register_forward_hook(output_of_its_own)
     if plugin.activation_checkpointing and not plugin.activation_checkpointing_offload:
         # `fsdp_activation_checkpointing` is served by diffusers' own per-block checkpointing
         # (torch.utils.checkpoint, non-reentrant): the same recompute of each transformer block,
@@ -486,6 +506,9 @@ def build_from_config(
     in the recipe's order: the checkpoint section (resume), the engine, the data, the student and
     method, the optimizer, the loader, the engine's prepare, then the output folder's lock,
     callbacks, resumed state and trackers."""
+    from fv_accel.process import quiet_libraries
+
+    quiet_libraries()  # before the engine (DeepSpeed) and the models' libraries are imported
     cfg = path_or_dict if isinstance(path_or_dict, RunConfig) else load_config(path_or_dict, overrides)
     # Everything that can be wrong with the recipe, the data or the output folder is checked before
     # anything is written to the output folder.

@@ -71,14 +71,13 @@ Stage = Callable[[str], contextlib.AbstractContextManager]
 
 
 class ExportProgress:
-    """A tqdm bar over an export's stages (stderr, main process only); the current stage is its postfix."""
+    """A bar over an export's stages (stderr, main process only; plain lines in a log file); the
+    current stage is its postfix."""
 
     def __init__(self, to: str, total: int):
-        from tqdm.auto import tqdm
+        from fv_accel.process import progress_bar
 
-        self.bar = tqdm(
-            total=total, desc=f"export --to {to}", unit="stage", disable=not is_main_process(), dynamic_ncols=True
-        )
+        self.bar = progress_bar(total, f"export --to {to}", show=is_main_process(), unit="stage")
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:

@@ -560,13 +560,14 @@ def preprocess(
     if rank == 0:
         logger.info("preprocessing %d clip(s) from %s (%s) on %d process(es)", len(clips), input, form, world_size)
     my_shards = [s for s in range(num_shards) if s % world_size == rank]
-    from tqdm.auto import tqdm
+    from fv_accel.process import progress_bar
 
-    # Rank 0's clips (its shards): clips/s and the ETA on stderr; the other ranks show none.
-    progress = tqdm(
-        total=sum(len(clips[s * shard_size : (s + 1) * shard_size]) for s in my_shards),
-        desc="preprocess" if world_size == 1 else f"preprocess (process 0 of {world_size})",
-        unit="clip", disable=rank != 0, file=sys.stderr, dynamic_ncols=True,
+    # Rank 0's clips (its shards): clips/s and the ETA on stderr (plain lines in a log file); the
+    # other ranks show none.
+    progress = progress_bar(
+        sum(len(clips[s * shard_size : (s + 1) * shard_size]) for s in my_shards),
+        "preprocess" if world_size == 1 else f"preprocess (process 0 of {world_size})",
+        show=rank == 0, unit="clip",
     )
     for s in my_shards:
         rows, new_keys = job.encode_shard(clips[s * shard_size : (s + 1) * shard_size], progress, on_clip_done)

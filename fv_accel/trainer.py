@@ -569,9 +569,8 @@ class Trainer:
         """Steps until `max_train_steps`, a fault policy stops the run (TrainingStopped) or a signal
         asks for a stop at a step boundary; then the final outputs (or the stop's checkpoint) and the
         run summary."""
-        from tqdm.auto import tqdm
-
         from fv_accel.data.loader import device_prefetch
+        from fv_accel.process import progress_bar
         from fv_accel.telemetry import Telemetry
 
         acc = self.accelerator
@@ -580,8 +579,8 @@ class Trainer:
         tally = RunTally()
         for cb in self.callbacks:
             cb.on_train_start(self)
-        progress = self._progress = tqdm(
-            total=loop.max_steps, initial=self.step, desc="train", disable=not acc.is_local_main_process, dynamic_ncols=True
+        progress = self._progress = progress_bar(
+            loop.max_steps, "train", show=acc.is_local_main_process, unit="step", initial=self.step
         )
         data_iter = device_prefetch(self.dataloader, acc.device)
         t_start = time.perf_counter()

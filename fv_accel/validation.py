@@ -416,10 +416,11 @@ class HeldoutLossCallback(TrainerCallback):
         keys: list[str] = []
         from tqdm.auto import tqdm
 
-        # The main process's share of the clips, under the training bar (leave=False: gone when done).
+        # The main process's share of the clips, under the training bar (leave=False: gone when done),
+        # on a terminal only (disable=None): a log file gets the result line alone.
         slots = tqdm(
             range(rank, per_rank * world, world), desc="held-out", unit="clip", leave=False,
-            disable=not acc.is_local_main_process, dynamic_ncols=True,
+            disable=None if acc.is_local_main_process else True, dynamic_ncols=True,
         )
         with evaluation_mode(trainer) as student:
             device = acc.device
@@ -745,7 +746,9 @@ class VideoSamplingCallback(TrainerCallback):
             for text in texts:
                 columns = {k: v.float().cpu() for k, v in encoder.encode_caption(text).items()}
                 self.embeddings[text] = prompt_columns(columns, self.cfg.training.data.text_max_length)
-        self.vae = encoder.vae.to("cpu", torch.float32).eval().requires_grad_(False)
+        # All of it in fp32 with `.float()`: diffusers' `.to` given a dtype warns, at every call,
+        # about the modules a model keeps in fp32 (here fp32 like the rest).
+        self.vae = encoder.vae.to("cpu").float().eval().requires_grad_(False)
         self.spatial, self.temporal = int(encoder.spec.scale_factor_spatial), int(encoder.spec.scale_factor_temporal)
         del encoder
         self.schedule = repo_sampling_schedule(source, self.val, family, revision=revision)

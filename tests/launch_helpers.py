@@ -1,21 +1,18 @@
-"""Helpers for tests that start real `accelerate launch` runs: a port of their own, and on a hang
+"""Helpers for tests that start real `accelerate launch` runs: a free port, and on a hang
 the evidence (each process's signal state and Python stacks, the log) before the tree is killed."""
 
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now: each launch gets its own rendezvous store, so a run left
-    over from an earlier test (or another job on the machine) cannot answer on the default 29500."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Accelerate (1.16) takes port 0 as "pick a free one" and picks it just before it starts the
+# processes: each launch gets its own rendezvous store, so a run left over from an earlier test,
+# another test run or another job on the machine holding the default 29500 cannot collide with it.
+ANY_FREE_PORT = ("--main_process_port", "0")
 
 
 def _signal_state(pid: int) -> str:

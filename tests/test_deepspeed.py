@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.launch_helpers import free_port, wait_or_diagnose
+from tests.launch_helpers import ANY_FREE_PORT, wait_or_diagnose
 
 REPO = Path(__file__).resolve().parent.parent
 ACCELERATE = Path(sys.executable).parent / "accelerate"
@@ -52,7 +52,7 @@ def launch(config: str, out: Path, *args: str, timeout: float = 900, **env: str)
     returns the exit status and the log. Torch extensions would be built in `<out>.extensions`."""
     log_path = out.parent / f"{out.name}.log"
     cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / config), "--num_processes", "2",
-           "--main_process_port", str(free_port()), str(REPO / "train_finetune.py"), *ARGS, *args,
+           *ANY_FREE_PORT, str(REPO / "train_finetune.py"), *ARGS, *args,
            "--output_dir", str(out)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(out.parent / f"{out.name}.extensions", **env), stdout=log, stderr=subprocess.STDOUT)

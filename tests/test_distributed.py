@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.conftest import TEST_SCALE
-from tests.launch_helpers import free_port
+from tests.launch_helpers import ANY_FREE_PORT
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = REPO / "tests" / "dist_driver.py"
@@ -93,7 +93,7 @@ def launch(config: str, runs: list[dict], root: Path, *extra_args: str, processe
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("ACCELERATE_USE_CPU", None)
     cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / config), "--num_processes", str(processes),
-           "--main_process_port", str(free_port()), *extra_args]
+           *ANY_FREE_PORT, *extra_args]
     proc = subprocess.run(
         [*cmd, str(DRIVER), str(spec_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200
     )
@@ -505,7 +505,10 @@ def launch_env(config: Path, *cli: str, with_args: bool = False):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    args = launch_command_parser().parse_args(["--config_file", str(config), *cli, "train.py"])
+    # A free port unless the command names one: a launch config for several machines makes the
+    # first machine's launcher refuse a port in use (the default 29500 on a busy machine).
+    port = () if "--main_process_port" in cli else ANY_FREE_PORT
+    args = launch_command_parser().parse_args(["--config_file", str(config), *port, *cli, "train.py"])
     args, defaults, _ = _validate_launch_command(args)
     cmd = None
     if args.use_deepspeed:

@@ -22,7 +22,7 @@ import fv_accel.trainer as trainer_module
 from fv_accel.checkpoint import latest_checkpoint, read_metadata
 from fv_accel.config import default_recipe, load_config
 from fv_accel.trainer import Trainer, TrainerCallback, TrainingStopped
-from tests.launch_helpers import free_port, kill_tree, thread_signal_masks, wait_or_diagnose
+from tests.launch_helpers import ANY_FREE_PORT, kill_tree, thread_signal_masks, wait_or_diagnose
 from tests.resume_helpers import build, small_overrides, weights, write_latent_dataset
 
 REPO = Path(__file__).resolve().parent.parent
@@ -241,7 +241,7 @@ def _launch(script: str, recipe: Path, log_path: Path, nproc: int) -> subprocess
     accelerate = Path(sys.executable).with_name("accelerate")
     multi = ["--multi_gpu"] if nproc > 1 else []
     cmd = [str(accelerate), "launch", *multi, "--num_processes", str(nproc), "--num_machines", "1",
-           "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
+           *ANY_FREE_PORT, "--mixed_precision", "no", "--dynamo_backend", "no",
            script, "--config", str(recipe)]
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

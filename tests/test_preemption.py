@@ -18,7 +18,7 @@ import pytest
 
 from fv_accel.checkpoint import latest_checkpoint, read_metadata
 from fv_accel.config import default_recipe, load_config
-from tests.launch_helpers import free_port, kill_tree, wait_or_diagnose
+from tests.launch_helpers import ANY_FREE_PORT, kill_tree, wait_or_diagnose
 from tests.resume_helpers import small_overrides, write_latent_dataset
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_as_documented(tmp_path, l
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     multi = ["--multi_gpu"] if nproc > 1 else []
     cmd = [sys.executable, "-m", launcher, *multi, "--num_processes", str(nproc), "--num_machines", "1",
-           "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
+           *ANY_FREE_PORT, "--mixed_precision", "no", "--dynamo_backend", "no",
            "train_finetune.py", "--config", str(recipe)]
     log_path = tmp_path / "launch.log"
     with open(log_path, "w") as log:

@@ -5,7 +5,12 @@ touches only its own file."""
 import importlib
 import pkgutil
 
-from fv_accel.models.base import (
+from fv_accel.process import quiet_libraries
+
+# Before diffusers (and through it peft, bitsandbytes, transformers) is imported below.
+quiet_libraries()
+
+from fv_accel.models.base import (  # noqa: E402
     FAMILIES,
     Capabilities,
     Conditioning,

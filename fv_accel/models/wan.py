@@ -148,12 +148,15 @@ class _PerFrameBlockForward:
         x = hidden_states
         norm = tokens(framed(block.norm1(x.float())) * (1 + scale_msa) + shift_msa).type_as(x)
         attn = block.attn1(norm, None, None, rotary_emb)
-        x = tokens(framed(x.float()) + framed(attn) * gate_msa).type_as(x)
+        # The residual sums are taken in the [B, S, D] layout: the block's output is a tensor of its
+        # own, not a reshaped view (FSDP2 hooks a wrapped block's output for its backward; an
+        # in-place op on a view would lose the hook). Same elementwise operations, same values.
+        x = (x.float() + tokens(framed(attn) * gate_msa)).type_as(x)
         norm = block.norm2(x.float()).type_as(x)
         x = x + block.attn2(norm, encoder_hidden_states, None, None)
         norm = tokens(framed(block.norm3(x.float())) * (1 + c_scale_msa) + c_shift_msa).type_as(x)
         ff = block.ffn(norm)
-        return tokens(framed(x.float()) + framed(ff.float()) * c_gate_msa).type_as(x)
+        return (x.float() + tokens(framed(ff.float()) * c_gate_msa)).type_as(x)
 
 
 # diffusers module name (inside a block / at the top) -> original Wan name, the layout ComfyUI
