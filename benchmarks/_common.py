@@ -536,6 +536,13 @@ def write_results(out_dir: Path, name: str, payload: dict, markdown: str) -> tup
     return json_path, md_path
 
 
+def publish_results(out_dir: Path, name: str, payload: dict, markdown: str) -> None:
+    """Write the results (`write_results`), then print the table and where it went."""
+    json_path, md_path = write_results(out_dir, name, payload, markdown)
+    print(markdown)
+    print(f"wrote {json_path} and {md_path}")
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)

@@ -368,10 +368,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "wan_1_3b_model": None if args.quick or args.no_model else wan_1_3b_model_rate(),
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    md = to_markdown(payload)
-    paths = C.write_results(args.out, args.name, payload, md)
-    print(md)
-    print(f"wrote {paths[0]} and {paths[1]}")
+    C.publish_results(args.out, args.name, payload, to_markdown(payload))
     return payload
 
 

@@ -118,10 +118,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "target_ratio": TARGET,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    md = to_markdown(payload)
-    paths = C.write_results(args.out, args.name, payload, md)
-    print(md)
-    print(f"wrote {paths[0]} and {paths[1]}")
+    C.publish_results(args.out, args.name, payload, to_markdown(payload))
     return payload
 
 

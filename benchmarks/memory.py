@@ -422,10 +422,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     flush=True,
                 )
     payload = make_payload(args, argv, machine, results)
-    md = to_markdown(payload)
-    paths = C.write_results(args.out, args.name, payload, md)
-    print(md)
-    print(f"wrote {paths[0]} and {paths[1]}")
+    C.publish_results(args.out, args.name, payload, to_markdown(payload))
     return payload
 
 

@@ -428,10 +428,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             size = C.bench_size(name)
             results.append(measure_size(size, args, Path(scratch) / name, on_round=write_partial))
     payload = payload_with(results)
-    md = to_markdown(payload)
-    paths = C.write_results(args.out, args.name, payload, md)
-    print(md)
-    print(f"wrote {paths[0]} and {paths[1]}")
+    C.publish_results(args.out, args.name, payload, to_markdown(payload))
     return payload
 
 

@@ -297,10 +297,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if not args.skip_step:
         payload["steps"] = [measure_step(args, device, t) for t in args.step_latent_t]
     payload["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    md = to_markdown(payload)
-    paths = C.write_results(args.out, args.name, payload, md)
-    print(md)
-    print(f"wrote {paths[0]} and {paths[1]}")
+    C.publish_results(args.out, args.name, payload, to_markdown(payload))
     return payload
 
 

@@ -57,6 +57,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from fv_accel.flex import flex_attention
+
 logger = logging.getLogger(__name__)
 
 TILE_SIZE = (4, 4, 4)
@@ -336,25 +338,6 @@ class _CpuGatheredAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None
 
 
-_compiled_flex = None
-
-
-def _flex_attention(query, key, value, block_mask):
-    """FlexAttention, compiled on CUDA (fused kernel); eager elsewhere (forward only on CPU)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if query.is_cuda:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        return _compiled_flex(query, key, value, block_mask=block_mask)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(query, key, value, block_mask=block_mask)
-
-
 def _ordered_blocks(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(count [..., Q], indices [..., Q, KV]) int32 with the kept blocks first, as BlockMask wants."""
     count = keep.sum(-1, dtype=torch.int32)
@@ -406,7 +389,7 @@ def fine_flex(qt, kt, vt, idx: torch.Tensor, layout: TileLayout) -> torch.Tensor
     b, heads, n, s, d = qt.shape
     mask = selection_block_mask(idx, layout, compiled=qt.is_cuda)
     flat = [x.reshape(b, heads, n * s, d) for x in (qt, kt, vt)]
-    return _flex_attention(*flat, mask).view(b, heads, n, s, d)
+    return flex_attention(*flat, mask).view(b, heads, n, s, d)
 
 
 def fine_reference(q, k, v, idx: torch.Tensor, layout: TileLayout) -> torch.Tensor:

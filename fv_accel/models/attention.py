@@ -49,6 +49,8 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from fv_accel.flex import flex_attention
+
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "flex", "chunked", "dense")
@@ -498,25 +500,6 @@ def _gather_frames(x: torch.Tensor, runs: list[tuple[int, int]], tokens_per_fram
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
-_compiled_flex = None
-
-
-def _flex_attention(query, key, value, block_mask):
-    """FlexAttention, compiled on CUDA (fused kernel); eager elsewhere (forward only on CPU)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if query.is_cuda:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        return _compiled_flex(query, key, value, block_mask=block_mask)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(query, key, value, block_mask=block_mask)
-
-
 class CausalAttention:
     """The block-causal attention of one transformer: rule, backend, caches and the current layout."""
 
@@ -586,7 +569,7 @@ class CausalAttention:
         backend = self.resolve_backend(query.device)
         if backend == "flex":
             mask = self.block_mask(layout.kind, layout.num_frames, s, query.device)
-            return _flex_attention(query, key, value, mask)
+            return flex_attention(query, key, value, mask)
         if backend == "dense":
             mask = dense_token_mask(self.visibility(layout.kind, layout.num_frames), s).to(query.device)
             return F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
