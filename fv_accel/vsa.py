@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from fv_accel.flex import flex_attention
+from fv_accel.attention_ops import apply_wan_rotary, flex_attention
 
 logger = logging.getLogger(__name__)
 
@@ -594,16 +594,6 @@ class VSARotaryEmbedding(torch.nn.Module):
         return _with_call(self.inner(hidden_states), call)
 
 
-def _apply_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    """Wan's rotary embedding on interleaved pairs, as diffusers' WanAttnProcessor applies it."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
-
-
 class WanVSAProcessor:
     """Self-attention of a Wan / SkyReels-V2 block (`attn1`, video tokens only) through VSA: the
     stock processor's projections, q/k norms and rotary embedding, then `video_sparse_attention`
@@ -641,8 +631,8 @@ class WanVSAProcessor:
         # A LoRA run trains the gate in fp32 beside a low-precision base: its input follows its weight.
         gate = gate_layer(hidden_states.to(gate_layer.weight.dtype))
         query, key, value, gate = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value, gate))
-        query = _apply_rotary(query, *rotary_emb)
-        key = _apply_rotary(key, *rotary_emb)
+        query = apply_wan_rotary(query, *rotary_emb)
+        key = apply_wan_rotary(key, *rotary_emb)
         out = video_sparse_attention(
             query, key, value, grid=call.grid, sparsity=call.sparsity, gate=gate.type_as(query), backend=call.backend
         )

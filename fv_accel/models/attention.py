@@ -49,7 +49,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from fv_accel.flex import flex_attention
+from fv_accel.attention_ops import apply_wan_rotary, flex_attention
 
 logger = logging.getLogger(__name__)
 
@@ -395,16 +395,6 @@ class _Mode:
 # --------------------------------------------------------------------------------------------
 
 
-def _apply_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    # Interleaved pairs (Wan's convention), computed in the rotary tables' precision.
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
-
-
 class CausalSelfAttnProcessor:
     """Self-attention of a Wan / SkyReels-V2 block under the controller's block-causal rule.
 
@@ -446,8 +436,8 @@ class CausalSelfAttnProcessor:
             out = self._attend_context_parallel(query, key, value, rotary_emb, layout)
             out = attn.to_out[0](out.flatten(2, 3).type_as(query))
             return attn.to_out[1](out)
-        query = _apply_rotary(query, *rotary_emb)
-        key = _apply_rotary(key, *rotary_emb)
+        query = apply_wan_rotary(query, *rotary_emb)
+        key = apply_wan_rotary(key, *rotary_emb)
         # [B, L, H, D] -> [B, H, L, D] for SDPA / FlexAttention.
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
         out = self.controller.attend(query, key, value, layout, self.layer_index)
@@ -468,7 +458,7 @@ class CausalSelfAttnProcessor:
         controller, layer = self.controller, self.layer_index
 
         def attend_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            q, k = _apply_rotary(q, *rotary_emb), _apply_rotary(k, *rotary_emb)
+            q, k = apply_wan_rotary(q, *rotary_emb), apply_wan_rotary(k, *rotary_emb)
             out = controller.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout, layer)
             return out.transpose(1, 2)
 
