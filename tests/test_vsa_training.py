@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from fv_accel import vsa
 from fv_accel.config import ConfigError, VSAConfig, default_recipe, load_config, parse_cli
-from fv_accel.trainer import Trainer, TrainerCallback
+from fv_accel.trainer import Trainer
 from fv_accel.vsa import enable_vsa, ramp_sparsity
 from tests.conftest import tiny_overrides
+from tests.test_resume import SignalAtStep
 
 REPO = Path(__file__).resolve().parent.parent
 ACCELERATE = Path(sys.executable).parent / "accelerate"
@@ -294,15 +294,6 @@ def test_a_full_runs_checkpoint_exports_with_its_gates(tmp_path):
 # --------------------------------------------------------------------------------------------
 # Exact resume of the ramp
 # --------------------------------------------------------------------------------------------
-
-
-class SignalAtStep(TrainerCallback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, trainer, step, logs):
-        if step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _history(trainer) -> list[tuple]:
