@@ -763,6 +763,12 @@ def gate_key_to_ours(key: str) -> str:
     return fastwan_key_to_ours(key)
 
 
+def split_gates(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the gate entries, the rest) of a state dict: a LoRA file of a VSA run holds both."""
+    gates = {k: v for k, v in state.items() if is_gate_key(k)}
+    return gates, {k: v for k, v in state.items() if k not in gates}
+
+
 def gate_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The gates of a transformer state dict, detached fp32 copies on the CPU (what a LoRA run
     writes beside its adapter)."""
@@ -810,17 +816,13 @@ def load_vsa_gates(transformer: torch.nn.Module, source: Union[str, Path, Mappin
     return len(own)
 
 
-# The adapter file of a LoRA run (diffusers' LORA_WEIGHT_NAME_SAFE); with VSA it holds the gates too.
-LORA_FILE = "pytorch_lora_weights.safetensors"
-
-
 def load_vsa_lora(
     pipe: Any,
     source: Union[str, Path],
     sparsity: float,
     *,
     backend: str = "auto",
-    weight_name: str = LORA_FILE,
+    weight_name: Optional[str] = None,
     adapter_name: Optional[str] = None,
 ) -> VSAController:
     """Load the LoRA of a run trained with VSA (its adapter file holds the adapter and the trained
@@ -828,25 +830,24 @@ def load_vsa_lora(
     `enable_vsa(pipe.transformer, sparsity)`, the gates, then the adapter through the transformer's
     `load_lora_adapter` with the file's adapter metadata (alpha as trained). diffusers'
     `load_lora_weights` refuses a file with keys that are not LoRA's. `source`: the file, or the
-    folder holding `weight_name`. Returns the controller."""
+    folder holding `weight_name` (default: diffusers' `pytorch_lora_weights.safetensors`, the
+    file a LoRA run writes). Returns the controller."""
     import json
 
-    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
     from safetensors import safe_open
 
     path = Path(source)
-    path = path / weight_name if path.is_dir() else path
+    path = path / (weight_name or LORA_WEIGHT_NAME_SAFE) if path.is_dir() else path
     if not path.is_file():
         raise FileNotFoundError(f"load_vsa_lora: no LoRA file at {path}")
     with safe_open(str(path), framework="pt") as f:
-        state = {gate_key_to_ours(k) if is_gate_key(k) else k: f.get_tensor(k) for k in f.keys()}
+        gates, adapter = split_gates({k: f.get_tensor(k) for k in f.keys()})
         raw = (f.metadata() or {}).get(LORA_ADAPTER_METADATA_KEY)
-    gates = {k: v for k, v in state.items() if is_gate_key(k)}
     if not gates:
         raise KeyError(f"load_vsa_lora: {path} holds no VSA gates (to_gate_compress): load it with load_lora_weights")
     metadata = json.loads(raw) if raw else None  # keys `transformer.<field>`, as load_lora_adapter reads them
     controller = enable_vsa(pipe.transformer, sparsity, backend)
-    load_vsa_gates(pipe.transformer, gates)
-    adapter = {k: v for k, v in state.items() if not is_gate_key(k)}
+    load_vsa_gates(pipe.transformer, gates)  # their keys, `transformer.`-prefixed, read as ours
     pipe.transformer.load_lora_adapter(adapter, prefix="transformer", metadata=metadata, adapter_name=adapter_name)
     return controller

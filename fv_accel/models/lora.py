@@ -270,10 +270,10 @@ def to_comfyui(
         raise ValueError("the LoRA file has no adapter metadata: its alpha is unknown, cannot write alpha keys")
     if metadata.get("use_rslora") or metadata.get("use_dora"):
         raise ValueError("rsLoRA/DoRA adapters have no ComfyUI LoRA layout here")
-    from fv_accel.vsa import is_gate_key
+    from fv_accel.vsa import split_gates
 
     # VSA gates (a LoRA run with training.vsa) have no ComfyUI layout: ComfyUI has no VSA.
-    state = {k: v for k, v in state.items() if not is_gate_key(k)}
+    state = split_gates(state)[1]
     alphas = alpha_by_module(state, metadata)
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
@@ -337,12 +337,11 @@ def merge_lora(
     """Fold the LoRA into `transformer`'s weights (diffusers' load_lora_adapter + fuse + unload).
     VSA gates in the file (a LoRA run with training.vsa) go into the transformer as they are,
     with VSA enabled on it at `vsa_sparsity` (the run's)."""
-    from fv_accel.vsa import enable_vsa, is_gate_key, load_vsa_gates
+    from fv_accel.vsa import enable_vsa, load_vsa_gates, split_gates
 
     if metadata is None:
         raise ValueError("the LoRA file has no adapter metadata (alpha unknown); cannot merge it faithfully")
-    gates = {k: v for k, v in state.items() if is_gate_key(k)}
-    adapter = {k: v for k, v in state.items() if not is_gate_key(k)}
+    gates, adapter = split_gates(state)
     transformer.load_lora_adapter(adapter, prefix=None, metadata=dict(metadata), adapter_name="merge")
     transformer.fuse_lora(lora_scale=1.0, adapter_names=["merge"])
     transformer.unload_lora()

@@ -436,10 +436,9 @@ class DiffusersStudent(ModelBase):
     def load_adapter_and_gates(self, module: torch.nn.Module, state: dict, metadata: Optional[dict]) -> None:
         """Restore a LoRA file's adapter (`trained_part_of_deployable`) and, under VSA, its gates."""
         from fv_accel.models.lora import set_adapter_state_dict, trained_part_of_deployable
-        from fv_accel.vsa import is_gate_key, load_vsa_gates
+        from fv_accel.vsa import load_vsa_gates, split_gates
 
-        gates = {k: v for k, v in state.items() if is_gate_key(k)}
-        adapter = {k: v for k, v in state.items() if not is_gate_key(k)}
+        gates, adapter = split_gates(state)
         if gates and not self.vsa_controllers:
             raise ValueError(
                 f"the checkpoint's LoRA file holds VSA gates ({next(iter(gates))}) but training.vsa.sparsity is 0: "
