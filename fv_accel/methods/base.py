@@ -143,13 +143,15 @@ class TrainingMethod:
         return "vsa"
 
     # ---- video sparse attention ----
+    # The attention kind (`_infer_attn_kind`, set by each method's constructor); dense until then.
+    _attn_kind: Literal["dense", "vsa"] = "dense"
     # The sparsity of the step being trained under VSA; None with dense attention.
     vsa_sparsity: Optional[float] = None
 
     def set_vsa_step(self, step: int) -> Optional[float]:
         """Under VSA: the sparsity of optimizer step `step` (1-based; 0 before the first) from the
         recipe's ramp, set on the student's attention and returned; None with dense attention."""
-        if getattr(self, "_attn_kind", "dense") != "vsa":
+        if self._attn_kind != "vsa":
             return None
         from fv_accel.vsa import ramp_sparsity
 
@@ -160,7 +162,7 @@ class TrainingMethod:
 
     def attach_vsa_metadata(self, tb: TrainingBatch) -> TrainingBatch:
         """Under VSA, the forward's `attn_metadata_vsa` (token grid, tiles, the step's sparsity)."""
-        if getattr(self, "_attn_kind", "dense") == "vsa":
+        if self._attn_kind == "vsa":
             from fv_accel.vsa import VSAMetadata
 
             tb.attn_metadata_vsa = VSAMetadata.of(tb.noisy_model_input.shape, self.student.patch_size, self.vsa_sparsity)
@@ -302,7 +304,7 @@ class TrainingMethod:
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """The (loss_map, outputs, metrics) every method's single_train_step returns."""
         loss_map = {"total_loss": loss, loss_key: loss}
-        metadata = tb.attn_metadata_vsa if getattr(self, "_attn_kind", "dense") == "vsa" else tb.attn_metadata
+        metadata = tb.attn_metadata_vsa if self._attn_kind == "vsa" else tb.attn_metadata
         outputs: dict[str, Any] = {"_fv_backward": (tb.timesteps, metadata), "training_batch": tb}
         # Tensors, not floats: converting here would sync the device every micro-step.
         metrics: dict[str, Any] = {"mean_sigma": tb.sigmas.detach().float().mean()}
@@ -332,7 +334,7 @@ class TrainingMethod:
 
     def _vsa_signature(self) -> dict[str, Any]:
         """Under VSA, its ramp (a resume that changes it changes the math); nothing when dense."""
-        if getattr(self, "_attn_kind", "dense") != "vsa":
+        if self._attn_kind != "vsa":
             return {}
         spec = self.training_config.vsa
         return {"method.vsa": {"sparsity": spec.sparsity, "decay_rate": spec.decay_rate,
