@@ -29,7 +29,7 @@ def offline_unless_hub_answers() -> bool:
         try:
             get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - any transport error: no answer
-            _UNREACHABLE = f"the Hub ({constants.ENDPOINT}) does not answer ({_first_line(err)})"
+            _UNREACHABLE = f"the Hub ({constants.ENDPOINT}) does not answer ({error_first_line(err)})"
             os.environ["HF_HUB_OFFLINE"] = "1"
             constants.HF_HUB_OFFLINE = True
     return _UNREACHABLE is not None
@@ -48,6 +48,7 @@ def hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE) or env
 
 
-def _first_line(err: Exception) -> str:
+def error_first_line(err: Exception) -> str:
+    """`ClassName: first line of the message`, for a one-line error."""
     text = str(err).strip()
     return f"{err.__class__.__name__}: {text.splitlines()[0] if text else ''}"

@@ -166,16 +166,12 @@ TRACEBACK_ENV = "FV_ACCEL_TRACEBACK"
 
 
 def traceback_wanted() -> bool:
-    import os
-
     return os.environ.get(TRACEBACK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def is_main_launched_process() -> bool:
     """Whether this process is the launch's main one (rank 0 of `accelerate launch`/torchrun, or a
     process started on its own), from the launcher's environment: known before any process group."""
-    import os
-
     return os.environ.get("RANK", "0") in ("", "0")
 
 
@@ -200,7 +196,6 @@ def _first_to_say(line: str) -> bool:
     marker file (keyed by the launcher process, its start time and the line) in the temporary
     folder says it. A process started on its own always says it."""
     import hashlib
-    import os
 
     if "LOCAL_RANK" not in os.environ:
         return True
@@ -220,7 +215,6 @@ def _first_to_say(line: str) -> bool:
 
 
 def _marker_folder() -> str:
-    import os
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), f"fv_accel-errors-{os.getuid()}")
@@ -228,9 +222,6 @@ def _marker_folder() -> str:
 
 def _remove_old_markers(max_age_s: float = 86400.0) -> None:
     """Marker files of launches that ended more than a day ago."""
-    import os
-    import time
-
     folder = _marker_folder()
     if not os.path.isdir(folder):
         return

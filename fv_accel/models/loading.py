@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from fv_accel.config import StudentConfig
-from fv_accel.hub_access import hub_offline
+from fv_accel.hub_access import error_first_line, hub_offline, offline_unless_hub_answers, unreachable_reason
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Accelerate mixed_precision -> the low-precision compute dtype it autocasts to.
@@ -26,14 +26,6 @@ class ModelLoadError(OSError):
     pass
 
 
-
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return f"{err.__class__.__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def explain_load_error(
     model_id: str, what: str, err: Exception, *, revision: Optional[str] = None
 ) -> ModelLoadError:
@@ -42,7 +34,7 @@ def explain_load_error(
 
     rev = f" at revision '{revision}'" if revision else ""
     if Path(model_id).exists():
-        hint = f"the folder exists but has no loadable {what}: check its layout ({_first_line(err)})"
+        hint = f"the folder exists but has no loadable {what}: check its layout ({error_first_line(err)})"
     elif isinstance(err, hf_errors.RevisionNotFoundError):
         hint = f"the revision '{revision}' does not exist in that repo: check models.student.revision"
     elif isinstance(err, hf_errors.GatedRepoError):
@@ -50,10 +42,8 @@ def explain_load_error(
     elif isinstance(err, hf_errors.RepositoryNotFoundError):
         hint = "no such repo on the Hub (or it is private): check the id, or log in (`hf auth login`)"
     elif "does not appear to have a file named" in str(err):
-        hint = f"{_first_line(err)}; check models.student.variant/subfolder, and that those files are downloaded"
+        hint = f"{error_first_line(err)}; check models.student.variant/subfolder, and that those files are downloaded"
     elif isinstance(err, hf_errors.LocalEntryNotFoundError) or hub_offline():
-        from fv_accel.hub_access import unreachable_reason
-
         why = unreachable_reason() or "HF_HUB_OFFLINE is set"
         hint = (
             f"it is not in the local Hugging Face cache and {why}; download it first on a "
@@ -61,11 +51,11 @@ def explain_load_error(
             "HF_HOME/HF_HUB_CACHE say where the cache is), or point the recipe at a local folder"
         )
     elif isinstance(err, hf_errors.EntryNotFoundError):
-        hint = f"the repo has no {what}: is it a diffusers-layout repo (a '-Diffusers' id)? ({_first_line(err)})"
+        hint = f"the repo has no {what}: is it a diffusers-layout repo (a '-Diffusers' id)? ({error_first_line(err)})"
     else:
         hint = (
             "it could not be fetched from the Hub or the local cache: check the network, the id and revision, "
-            f"or point the recipe at a local folder ({_first_line(err)})"
+            f"or point the recipe at a local folder ({error_first_line(err)})"
         )
     return ModelLoadError(f"could not load {what} of model '{model_id}'{rev}: {hint}")
 
@@ -93,8 +83,6 @@ def fetch_config(
         from huggingface_hub import hf_hub_download
         from huggingface_hub import errors as hf_errors
 
-        from fv_accel.hub_access import offline_unless_hub_answers
-
         local_only = offline_unless_hub_answers()
         try:
             path = Path(
@@ -102,7 +90,7 @@ def fetch_config(
             )
         except (hf_errors.HFValidationError, ValueError) as err:
             raise ModelLoadError(
-                f"model '{model_id}' is neither an existing local folder nor a valid Hub id ({_first_line(err)})"
+                f"model '{model_id}' is neither an existing local folder nor a valid Hub id ({error_first_line(err)})"
             ) from None
         except Exception as err:  # huggingface_hub raises several unrelated types here
             missing_file = isinstance(err, hf_errors.EntryNotFoundError) and not isinstance(
