@@ -682,10 +682,56 @@ def _build_student_and_method(cfg: RunConfig, acc: Any) -> tuple[Any, Any]:
     set_seed(cfg.training.data.seed)
     student = build_student(cfg)
     student.attach_accelerator(acc)
-    method = METHODS[cfg.method.name](cfg=cfg, role_models={"student": student})
-    method.optimizer = build_optimizer(cfg, student.trainable_parameters())
-    method.lr_scheduler = build_lr_scheduler(cfg, method.optimizer)
+    roles = {"student": student, **build_other_roles(cfg, acc)}
+    method = METHODS[cfg.method.name](cfg=cfg, role_models=roles)
+    if method.optimizer is None:  # a method that does not build its own: the student's, from the recipe
+        method.optimizer = build_optimizer(cfg, student.trainable_parameters())
+        method.lr_scheduler = build_lr_scheduler(cfg, method.optimizer)
     return student, method
+
+
+# A role's `trainable` when the recipe leaves it null.
+ROLE_TRAINABLE = {"teacher": False, "critic": True}
+
+
+def role_config(cfg: RunConfig, role: str) -> RunConfig:
+    """The recipe as a role's model reads it: `models.<role>` in the student's place, and dense
+    attention for a teacher or critic (`training.vsa` applies to the student alone)."""
+    import dataclasses
+
+    from fv_accel.config import VSAConfig
+
+    models = dataclasses.replace(cfg.models, student=getattr(cfg.models, role))
+    training = dataclasses.replace(cfg.training, vsa=VSAConfig())
+    return dataclasses.replace(cfg, models=models, training=training)
+
+
+def build_other_roles(cfg: RunConfig, acc: Any) -> dict[str, Any]:
+    """The roles beside the student that the recipe declares (models.teacher, models.critic), each a
+    model of its family; a frozen role is put in eval mode, without gradients, on the device."""
+    from accelerate.utils import set_seed
+
+    from fv_accel.models import family_of
+
+    roles: dict[str, Any] = {}
+    for name in ("teacher", "critic"):
+        section = getattr(cfg.models, name)
+        if section is None:
+            continue
+        trainable = ROLE_TRAINABLE[name] if section.trainable is None else bool(section.trainable)
+        if name == "teacher" and section.lora.enable:
+            raise ConfigError("models.teacher.lora.enable: the teacher is frozen; remove the teacher's LoRA section")
+        role_cfg = role_config(cfg, name)
+        # Seeded as the student was: roles built from one inline config start from the same weights.
+        set_seed(cfg.training.data.seed)
+        model = family_of(role_cfg)(role_cfg, trainable=trainable)
+        model.role = name
+        model.attach_accelerator(acc)
+        if not trainable:
+            model.transformer.eval()
+            model.transformer.to(acc.device)
+        roles[name] = model
+    return roles
 
 
 def _build_loader(cfg: RunConfig, acc: Any, data_path: str, student: Any, method: Any) -> tuple[Any, Any]:
@@ -724,14 +770,32 @@ def _log_run_plan(cfg: RunConfig, acc: Any, student: Any) -> None:
 def _prepare_for_engine(cfg: RunConfig, acc: Any, student: Any, method: Any) -> None:
     """The engine's settings, then Accelerate's prepare of the transformer, optimizer and schedule."""
     configure_engine(acc, cfg, student)
-    # One call: FSDP2 swaps the optimizer's parameters for the sharded ones, and DeepSpeed takes the
-    # optimizer (and runs its step inside `accelerator.backward`).
-    student.transformer, method.optimizer, method.lr_scheduler = acc.prepare(
-        student.transformer, method.optimizer, method.lr_scheduler
-    )
-    student.after_prepare()
+    roles = method.trainable_roles()
+    check_roles_engine(acc, cfg, roles)
+    for name, role in roles.items():
+        if role is not student:
+            configure_engine(acc, cfg, role)
+        # One call per role: FSDP2 swaps the optimizer's parameters for the sharded ones, and
+        # DeepSpeed takes the optimizer (and runs its step inside `accelerator.backward`).
+        role.transformer, optimizer, lr_scheduler = acc.prepare(
+            role.transformer, method.optimizer_dict[name], method.lr_scheduler_dict[name]
+        )
+        method.set_optimizer(name, optimizer, lr_scheduler)
+        role.after_prepare()
     if acc.is_main_process:
         logger.info("%s", describe_engine(acc, student.transformer))
+
+
+def check_roles_engine(acc: Any, cfg: RunConfig, roles: dict) -> None:
+    """Several trained roles (distillation) run under one process, DDP or FSDP2; DeepSpeed's engine
+    takes one model and optimizer per config: refused in one line."""
+    from accelerate.utils import DistributedType
+
+    if len(roles) > 1 and acc.distributed_type == DistributedType.DEEPSPEED:
+        raise ConfigError(
+            f"method.name {cfg.method.name}: DeepSpeed runs one trained model per engine, and this method trains "
+            f"{len(roles)} ({', '.join(roles)}): launch with accelerate_configs/ddp.yaml or fsdp2.yaml"
+        )
 
 
 def _resume_run(run: BuiltRun, resume: Path, resume_meta: Optional[dict], changes: list) -> None:

@@ -896,11 +896,14 @@ def load_checkpoint(trainer: Any, ckpt: Path) -> int:
     finally:
         acc._optimizers = optimizers
     step = int(meta["step"])
-    scheduler_steps = getattr(_inner_scheduler(trainer.method.lr_scheduler), "last_epoch", step)
-    if scheduler_steps != step:
-        raise damaged_checkpoint_error(
-            ckpt, f"{ckpt / METADATA_NAME} says step {step}, but its LR scheduler state has taken {scheduler_steps} steps"
-        )
+    schedulers = trainer.method.lr_scheduler_dict
+    for role, expected in trainer.method.lr_scheduler_steps(step).items():
+        taken = getattr(_inner_scheduler(schedulers[role]), "last_epoch", expected)
+        if taken != expected:
+            which = "its LR scheduler" if len(schedulers) == 1 else f"the {role}'s LR scheduler"
+            raise damaged_checkpoint_error(
+                ckpt, f"{ckpt / METADATA_NAME} says step {step}, but {which} state has taken {taken} steps (expected {expected})"
+            )
     apply_optimizer_recipe(trainer.method.optimizer, trainer.method.lr_scheduler, trainer.config, settings)
     acc.step = int(meta.get("accelerator_step", 0))
     state_file = rank_state_file(ckpt, acc.process_index)

@@ -98,6 +98,9 @@ class StudentConfig:
     # weights are kept in this dtype and cast to the compute dtype layer by layer in the forward.
     # Norms, embeddings, the patch embedding and the LoRA adapter stay as they are. null: off.
     storage_dtype: Optional[Literal["float8_e4m3fn", "float8_e5m2", "bfloat16"]] = None
+    # Whether the role trains (FastVideo's key): null is the role's own default (the student and a
+    # distillation critic train; a teacher is frozen).
+    trainable: Optional[bool] = None
 
     def check(self) -> None:
         if self.storage_dtype is not None and not self.lora.enable:
@@ -130,11 +133,23 @@ class StudentConfig:
 @dataclass
 class ModelsConfig:
     student: StudentConfig = field(default_factory=StudentConfig)
+    # Distillation (method.name dmd2): the frozen teacher and the trained critic (fake score), each
+    # a model like the student (same keys). A student or critic that names neither `init_from` nor
+    # `transformer_config` starts from the teacher's weights.
+    teacher: Optional[StudentConfig] = None
+    critic: Optional[StudentConfig] = None
+
+
+# The methods that distil a teacher into the student (roles student, teacher, critic).
+DISTILLATION_METHODS = ("dmd2",)
+# What a role inherits from the teacher when it names no model of its own.
+INHERITED_MODEL_KEYS = ("init_from", "model_class", "transformer_config", "revision", "subfolder", "variant",
+                        "torch_dtype", "latents_mean", "latents_std")
 
 
 @dataclass
 class MethodConfig:
-    name: Literal["finetune", "dfsft", "tfsft"] = "finetune"
+    name: Literal["finetune", "dfsft", "tfsft", "dmd2"] = "finetune"
     chunk_size: Any = None  # parsed by DiffusionForcingSFTMethod (REFERENCE.md section 4)
     min_timestep_ratio: Any = 0.0
     max_timestep_ratio: Any = 1.0
@@ -142,6 +157,25 @@ class MethodConfig:
     weighting: Literal["index", "timestep"] = "index"
     # Teacher forcing: timestep of the clean context tokens (0 = clean).
     context_timestep: float = 0.0
+    # ---- DMD2 (FastVideo's key names; read by DMD2Method) ----
+    # simulate: the student rolls out from pure noise (prompts suffice); data_latent: from noised data latents.
+    rollout_mode: Optional[Literal["simulate", "data_latent"]] = None
+    # The student's few timesteps, e.g. [1000, 750, 500, 250]; with warp_denoising_step each is
+    # read through the student's training table (t = table[1000 - step]).
+    dmd_denoising_steps: Optional[list[int]] = None
+    warp_denoising_step: bool = False
+    # The student is updated at steps that are multiples of this (1-based); the critic every step.
+    generator_update_interval: int = 1
+    # Classifier-free guidance of the teacher's score: uncond + s * (cond - uncond).
+    real_score_guidance_scale: float = 1.0
+    # The critic's optimizer: all three required for dmd2 (no silent fallback to the student's).
+    fake_score_learning_rate: Optional[float] = None
+    fake_score_betas: Optional[list[float]] = None
+    fake_score_lr_scheduler: Optional[str] = None
+    # The unconditional branch per condition channel (FastVideo's cfg_uncond): {text: negative_prompt |
+    # zero | keep, on_missing: error | ignore}; null: the pipeline's negative prompt (the dataset's
+    # stored unconditional text), else zeros.
+    cfg_uncond: Optional[dict] = None
 
 
 @dataclass
@@ -866,10 +900,41 @@ def load_config(
     if overrides:
         source = f"{source} (with overrides {', '.join(overrides)})"
     cfg = _build_dataclass(RunConfig, data, "", source)
+    resolve_roles(cfg, data, source)
     validate(cfg, source)
     check_lora_keys_enabled(cfg, data, source)
     cfg._source = source  # type: ignore[attr-defined]
     return cfg
+
+
+def resolve_roles(cfg: RunConfig, data: dict, source: str) -> None:
+    """The roles of a distillation method: a teacher is required; a student or critic that names no
+    model of its own (neither `init_from` nor `transformer_config`) starts from the teacher's, and
+    a missing critic section is the teacher's model. Roles of a method that has none are refused."""
+    models = cfg.models
+    if cfg.method.name not in DISTILLATION_METHODS:
+        extra = [r for r in ("teacher", "critic") if getattr(models, r) is not None]
+        if extra:
+            raise ConfigError(
+                f"{source}: key 'models.{extra[0]}' is set but method.name {cfg.method.name!r} trains the student "
+                f"alone (roles teacher and critic belong to {', '.join(DISTILLATION_METHODS)}): remove the section"
+            )
+        return
+    if models.teacher is None:
+        raise ConfigError(
+            f"{source}: key 'models.teacher': method.name {cfg.method.name!r} distils a teacher: set "
+            "models.teacher.init_from (a Hub id, a model folder or a run folder)"
+        )
+    given = data.get("models") or {}
+    if models.critic is None:
+        models.critic = StudentConfig()
+    for role in ("student", "critic"):
+        raw = given.get(role) or {}
+        if raw.get("init_from") is None and raw.get("transformer_config") is None:
+            target = getattr(models, role)
+            for key in INHERITED_MODEL_KEYS:
+                if key not in raw:
+                    setattr(target, key, _deep_copy(getattr(models.teacher, key)))
 
 
 def check_lora_keys_enabled(cfg: RunConfig, data: dict, source: str) -> None:
@@ -1076,7 +1141,7 @@ def parse_cli(argv: list[str], method: str) -> tuple[RunConfig, dict]:
     if config_path is None:
         config_path = str(default_recipe(method))
     # The entry script decides the method family; a recipe may name it (or TFSFT, a DFSFT variant).
-    allowed = {"finetune": ("finetune",), "dfsft": ("dfsft", "tfsft")}[method]
+    allowed = {"finetune": ("finetune",), "dfsft": ("dfsft", "tfsft"), "dmd2": ("dmd2",)}[method]
     named = overrides.get("method.name") or (_read_yaml(Path(config_path)).get("method") or {}).get("name")
     if named is None:
         overrides["method.name"] = method

@@ -152,6 +152,47 @@ class FlowMatchTable:
         s = self.expand_sigma(sigma.to(clean.dtype), clean.ndim)
         return (1.0 - s) * clean + s * noise
 
+    # ---- timesteps given as values (distillation: step lists, shifted score timesteps) ----
+    def nearest_sigmas(self, timestep: torch.Tensor, batch_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[B] sigmas of the table entries nearest to `timestep` (one value [1], or [B]): the lookup
+        of a timestep that need not lie on the table (ties go to the noisier entry). The distance is
+        taken in `dtype` (FastVideo's add_noise compares in fp32, its x0 conversion in fp64)."""
+        t = timestep.reshape(-1).to(dtype)
+        if t.numel() == 1:
+            t = t.expand(batch_size)
+        table = self.timesteps.to(device=t.device, dtype=dtype)
+        nearest = torch.argmin((table[None, :] - t[:, None]).abs(), dim=1)
+        return self.sigmas.to(device=t.device, dtype=dtype)[nearest]
+
+    def add_noise_at(self, clean: torch.Tensor, noise: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        """x_t = (1 - sigma) * x0 + sigma * eps at the table entry nearest to `timestep`, in the
+        noise's dtype."""
+        sigma = self.nearest_sigmas(timestep, clean.shape[0]).to(clean.device)
+        s = self.expand_sigma(sigma, clean.ndim)
+        return ((1 - s) * clean + s * noise).type_as(noise)
+
+    def x0_from_velocity(self, noisy: torch.Tensor, velocity: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        """x0_hat = x_t - sigma * v (computed in fp64, returned in the velocity's dtype), sigma at
+        the table entry nearest to `timestep`."""
+        sigma = self.nearest_sigmas(timestep, noisy.shape[0], torch.float64).to(noisy.device)
+        x0 = noisy.double() - self.expand_sigma(sigma, noisy.ndim) * velocity.double()
+        return x0.to(velocity.dtype)
+
+    def shift_timestep(self, timestep: torch.Tensor) -> torch.Tensor:
+        """A timestep value of the unshifted scale [0, N] under this table's shift:
+        N * s * u / (1 + (s - 1) * u), u = t / N (the identity at shift 1)."""
+        if self.shift == 1:
+            return timestep
+        n = self.num_train_timesteps
+        u = timestep / n
+        return n * (self.shift * u / (1 + (self.shift - 1) * u))
+
+    def warp_steps(self, steps: torch.Tensor) -> torch.Tensor:
+        """A few-step list given as unshifted values [N ... 1] read through the table:
+        t = [t_0 .. t_{N-1}, 0][N - step] (step N -> t_0, the pure-noise entry)."""
+        extended = torch.cat([self.timesteps, torch.zeros(1)]).to(steps.device)
+        return extended[self.num_train_timesteps - steps]
+
     # ---- DFSFT weights ----
     def dfsft_weights(self, mode: str = "index") -> torch.Tensor:
         """Bell weights over the index x = 0..N-1, normalised to mean 1 (REFERENCE.md section 4).

@@ -132,6 +132,7 @@ class LoopSettings:
 
     model: Any  # the student's transformer
     params: list  # its trainable parameters (clipped, checked for a non-finite norm)
+    models: list  # the transformers of every trained role (the student's first)
     accumulation: int  # training.loop.gradient_accumulation_steps
     max_steps: int
     max_norm: float
@@ -142,10 +143,12 @@ class LoopSettings:
     data_parallel: int  # the processes of one context-parallel group train on the same samples
 
     @classmethod
-    def from_run(cls, cfg: Any, accelerator: Any, student: Any, steps_in_backward: bool) -> "LoopSettings":
+    def from_run(cls, cfg: Any, accelerator: Any, method: Any, steps_in_backward: bool) -> "LoopSettings":
+        student = method.student
         return cls(
             model=student.transformer,
             params=student.trainable_parameters(),
+            models=[role.transformer for role in method.trainable_roles().values()],
             accumulation=cfg.training.loop.gradient_accumulation_steps,
             max_steps=cfg.training.loop.max_train_steps,
             max_norm=cfg.callbacks.grad_clip.max_grad_norm,
@@ -169,6 +172,7 @@ class StepOutcome:
     data_wait: float = 0.0
     step_time: float = 0.0
     grad_norm: Any = None
+    grad_norms: dict = dataclasses.field(default_factory=dict)  # per clip target, when the method clips several
     fault: Optional[str] = None
     applied: bool = False  # DeepSpeed: the engine applied this step although its gradient norm is non-finite
     engine_skipped: bool = False  # DeepSpeed: its fp16 loss scaler dropped this step's update (overflow)
@@ -244,8 +248,9 @@ class Trainer:
         self._stop_signal_time = 0.0
         # Set by the per-step check: some rank was asked to stop (several processes).
         self._stop_agreed = False
-        # The gradient norm's value, read by the per-step check.
+        # The gradient norm's value (and each clip target's), read by the per-step check.
         self._norm_value = math.nan
+        self._norm_values: list[float] = []
         self._dump_registered = False
         # DeepSpeed: the loss is checked before backward, since the engine steps inside it.
         self.steps_in_backward = engine_steps_in_backward(self.accelerator)
@@ -363,26 +368,36 @@ class Trainer:
         on any rank (every rank gets the same answer).
 
         The step's one host sync and, across processes, its one collective: the flags, the stop
-        request (`_stop_agreed`) and the norm (`_norm_value`) travel in one tensor (max over ranks)."""
+        request (`_stop_agreed`) and the norms (`_norm_values`, one per clip target in `grad_norm`'s
+        list) travel in one tensor (max over ranks)."""
         acc = self.accelerator
         loss_bad = ~torch.isfinite(loss.detach().float().reshape(()))
         # Under fp16 the grad scaler owns overflowing gradients (it skips the step and lowers the
         # scale); under DeepSpeed fp16 the engine's own loss scaler does (`scaler_skipped`).
         norm_checked = grad_norm is not None and acc.scaler is None and not scaler_skipped
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the total norm as a replicated DTensor
-            grad_norm = grad_norm.full_tensor()
-        norm = torch.as_tensor(grad_norm if norm_checked else 0.0, dtype=torch.float32, device=loss_bad.device)
-        norm_bad = ~torch.isfinite(norm)
-        stop = torch.tensor(1.0 if self._stop_signal is not None else 0.0, device=norm.device)
+        # One norm, or one per clip target (a method that clips several roles).
+        grad_norms = grad_norm if isinstance(grad_norm, (list, tuple)) else [grad_norm]
+        # FSDP2 returns a total norm as a replicated DTensor.
+        grad_norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in grad_norms]
+        norms = torch.stack([
+            torch.as_tensor(n if norm_checked else 0.0, dtype=torch.float32, device=loss_bad.device).reshape(())
+            for n in grad_norms
+        ])
+        bad_norms = ~torch.isfinite(norms)
+        norm_bad = bad_norms.any()
+        stop = torch.tensor(1.0 if self._stop_signal is not None else 0.0, device=norms.device)
         # The lowest and highest process whose loss is non-finite, through the same maximum.
         rank, world = acc.process_index if acc.num_processes > 1 else 0, acc.num_processes
-        lowest, highest = (loss_bad.float() * (world - rank)).to(norm.device), (loss_bad.float() * (rank + 1)).to(norm.device)
-        packed = torch.stack([loss_bad.float(), norm_bad.float(), stop, torch.where(norm_bad, 0.0, norm), lowest, highest]).to(acc.device)
+        lowest, highest = (loss_bad.float() * (world - rank)).to(norms.device), (loss_bad.float() * (rank + 1)).to(norms.device)
+        head_values = torch.stack([loss_bad.float(), norm_bad.float(), stop, lowest, highest])
+        packed = torch.cat([head_values, torch.where(bad_norms, 0.0, norms)]).to(acc.device)
         if acc.num_processes > 1:
             import torch.distributed as dist
 
             dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-        loss_flag, norm_flag, stop_flag, self._norm_value, lowest_code, highest_code = packed.tolist()
+        loss_flag, norm_flag, stop_flag, lowest_code, highest_code, *self._norm_values = packed.tolist()
+        self._norm_value = self._norm_values[0] if len(self._norm_values) == 1 else math.hypot(*self._norm_values)
+        norm = norms[0] if len(grad_norms) == 1 else norms.norm()
         self._stop_agreed = self._stop_agreed or stop_flag > 0
         if not (loss_flag > 0 or norm_flag > 0):
             return None
@@ -529,6 +544,9 @@ class Trainer:
                 cb.on_train_end(self)
             if save_final:
                 student.save_final(self.accelerator, self.output_dir)
+                # The method's other roles worth keeping (a distillation critic), each in its subfolder.
+                for subfolder, role in self.method.saved_roles().items():
+                    role.save_final(self.accelerator, self.output_dir / subfolder)
         except Exception as err:
             needed = sum(p.numel() * p.element_size() for p in student.trainable_parameters())
             space = out_of_space_error(err, self.output_dir, needed, "the trainable weights, per copy", "the final weights")
@@ -574,7 +592,7 @@ class Trainer:
         from fv_accel.telemetry import Telemetry
 
         acc = self.accelerator
-        loop = LoopSettings.from_run(self.config, acc, self.method.student, self.steps_in_backward)
+        loop = LoopSettings.from_run(self.config, acc, self.method, self.steps_in_backward)
         telemetry = Telemetry(acc, loop.model, self.config.training.tracker.peak_tflops)
         tally = RunTally()
         for cb in self.callbacks:
@@ -585,7 +603,8 @@ class Trainer:
         data_iter = device_prefetch(self.dataloader, acc.device)
         t_start = time.perf_counter()
         stopped_by: Optional[str] = None
-        loop.model.train()
+        for model in loop.models:
+            model.train()
         while self.step < loop.max_steps:
             t0 = time.perf_counter()
             outcome = self._train_step(data_iter, loop)
@@ -616,7 +635,7 @@ class Trainer:
             batch = next(data_iter)
             out.data_wait += time.perf_counter() - td
             out.micro_samples.append({"source": batch.get("source"), "nonfinite": batch.get("nonfinite")})
-            with acc.accumulate(loop.model):
+            with acc.accumulate(*loop.models):
                 self._micro_step(batch, out, loop)
                 if acc.sync_gradients and self.steps_in_backward:
                     self._after_engine_step(out, loop)
@@ -630,7 +649,8 @@ class Trainer:
         its losses and metrics added to the step's means."""
         method = self.method
         k = loop.accumulation
-        loss_map, outputs, metrics = method.single_train_step(batch, self.step)
+        # The 1-based number of the step being trained (FastVideo's `iteration`).
+        loss_map, outputs, metrics = method.single_train_step(batch, self.step + 1)
         tb = outputs.get("training_batch")
         out.micro_records.append((loss_map["total_loss"].detach(), getattr(tb, "timesteps", None)))
         if self.steps_in_backward and out.fault is None:
@@ -672,24 +692,46 @@ class Trainer:
         self._name_fault_samples(out)
 
     def _clip_and_step(self, out: "StepOutcome", loop: "LoopSettings") -> None:
-        """Every other engine's sync: the gradient norm, the fault check, the clip and the optimizer
-        step (left out on a fault); the LR schedule steps either way."""
+        """Every other engine's sync: the gradient norms of the method's clip targets, the fault
+        check, the clips and the method's optimizer steps (left out on a fault); its LR schedules
+        step either way."""
         acc = self.accelerator
         method = self.method
-        # The norm is taken even without clipping (max norm inf) to catch a
+        iteration = self.step + 1
+        targets = [(name, self._params_of(module)) for name, module in method.get_grad_clip_targets(iteration).items()]
+        # The norms are taken even without clipping (max norm inf) to catch a
         # non-finite gradient before it reaches the weights.
-        out.grad_norm, clipped = self._grad_norm(loop.params, loop.max_norm)
-        out.fault = self._find_fault(out.loss_sums["total_loss"], out.grad_norm, out.micro_records, self.step + 1)
-        if out.fault is None and not clipped:
-            self._clip_to(loop.params, loop.max_norm, out.grad_norm, self._norm_value)
+        measured = [self._grad_norm(params, loop.max_norm) for _, params in targets]
+        norms = [norm for norm, _ in measured]
+        if len(norms) > 1:  # FSDP2's norms are replicated DTensors: their plain value, for the total
+            plain = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+            out.grad_norm = torch.stack([n.reshape(()).float() for n in plain]).norm()
+        else:
+            out.grad_norm = norms[0]
+        if len(norms) > 1:
+            out.grad_norms = {name: norm for (name, _), norm in zip(targets, plain)}
+        out.fault = self._find_fault(out.loss_sums["total_loss"], norms, out.micro_records, iteration)
+        for (_, params), (norm, clipped), value in zip(targets, measured, self._norm_values):
+            if out.fault is None and not clipped:
+                self._clip_to(params, loop.max_norm, norm, value)
         self._name_fault_samples(out)
         if out.fault is None:
-            method.optimizer.step()
+            for optimizer in method.get_optimizers(iteration):
+                optimizer.step()
         elif acc.scaler is not None:
             acc.scaler.update()  # clip_grad_norm_ unscaled: reset the scaler's step state
-        # The schedule follows the step count, skipped steps included (exact resume).
-        method.lr_scheduler.step()
-        method.optimizer.zero_grad(set_to_none=True)
+        # The schedules follow the step count, skipped steps included (exact resume).
+        for lr_scheduler in method.get_lr_schedulers(iteration):
+            lr_scheduler.step()
+        for optimizer in method.optimizer_dict.values():
+            optimizer.zero_grad(set_to_none=True)
+
+    def _params_of(self, module: torch.nn.Module) -> list:
+        """A clip target's trainable parameters (listed once per module)."""
+        cache = self.__dict__.setdefault("_clip_params", {})
+        if id(module) not in cache:
+            cache[id(module)] = [p for p in module.parameters() if p.requires_grad]
+        return cache[id(module)]
 
     def _name_fault_samples(self, out: "StepOutcome") -> None:
         """A fault's message also names the step's samples that hold NaN/inf (and this process)."""
@@ -776,11 +818,15 @@ class Trainer:
             logs.update(zip(names, reduced.tolist()))
             logs["loss"] = logs["total_loss"]
         logs["lr"] = float(self.method.lr_scheduler.get_last_lr()[0])
+        for role, lr_scheduler in self.method.lr_scheduler_dict.items():
+            if role != "student":  # the other trained roles' (a distillation critic's)
+                logs[f"lr_{role}"] = float(lr_scheduler.get_last_lr()[0])
         vsa_sparsity = getattr(self.method, "vsa_sparsity", None)
         if vsa_sparsity is not None:
             logs["vsa_sparsity"] = vsa_sparsity
         if log_now and out.grad_norm is not None:
             logs["grad_norm"] = float(out.grad_norm)
+            logs.update({f"grad_norm_{role}": float(norm) for role, norm in out.grad_norms.items()})
         logs["step_time"] = out.step_time
         logs["data_wait"] = out.data_wait
         logs["samples_per_s"] = out.samples * loop.data_parallel / out.step_time

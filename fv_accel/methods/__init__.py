@@ -1,6 +1,7 @@
 """Training methods: each owns the math (what is noised, what the loss is)."""
 
 from fv_accel.methods.base import TrainingMethod
+from fv_accel.methods.distribution_matching import DMD2Method
 from fv_accel.methods.fine_tuning import DiffusionForcingSFTMethod, FineTuneMethod
 from fv_accel.methods.fine_tuning.tfsft import TeacherForcingSFTMethod
 
@@ -8,6 +9,7 @@ METHODS = {
     "finetune": FineTuneMethod,
     "dfsft": DiffusionForcingSFTMethod,
     "tfsft": TeacherForcingSFTMethod,
+    "dmd2": DMD2Method,
 }
 
-__all__ = ["TrainingMethod", "FineTuneMethod", "DiffusionForcingSFTMethod", "TeacherForcingSFTMethod", "METHODS"]
+__all__ = ["TrainingMethod", "FineTuneMethod", "DiffusionForcingSFTMethod", "TeacherForcingSFTMethod", "DMD2Method", "METHODS"]

@@ -322,6 +322,48 @@ class TrainingMethod:
         grad_accum_rounds = max(1, int(grad_accum_rounds))
         self.student.backward(loss_map["total_loss"], outputs.get("_fv_backward"), grad_accum_rounds=grad_accum_rounds)
 
+    # ---- what the trainer steps, clips and checkpoints: the method owns its optimizers ----
+    # The roles that train, by name (each prepared by the engine with its optimizer and schedule).
+    def trainable_roles(self) -> dict[str, ModelBase]:
+        return {"student": self.student}
+
+    @property
+    def optimizer_dict(self) -> dict[str, Any]:
+        return {"student": self.optimizer}
+
+    @property
+    def lr_scheduler_dict(self) -> dict[str, Any]:
+        return {"student": self.lr_scheduler}
+
+    def set_optimizer(self, role: str, optimizer: Any, lr_scheduler: Any) -> None:
+        """A role's optimizer and LR schedule (as the engine's prepare returned them)."""
+        if role != "student":
+            raise KeyError(f"{type(self).__name__} has no optimizer for role {role!r}")
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+
+    def get_optimizers(self, iteration: int) -> list[Any]:
+        """The optimizers that step at `iteration` (the 1-based step number)."""
+        del iteration
+        return [self.optimizer]
+
+    def get_lr_schedulers(self, iteration: int) -> list[Any]:
+        """The LR schedules that step at `iteration`."""
+        del iteration
+        return [self.lr_scheduler]
+
+    def get_grad_clip_targets(self, iteration: int) -> dict[str, torch.nn.Module]:
+        """The modules whose gradients are clipped (each to the recipe's max norm) at `iteration`."""
+        del iteration
+        return {"student": self.student.transformer}
+
+    def lr_scheduler_steps(self, step: int) -> dict[str, int]:
+        """How many steps each LR schedule has taken after `step` optimizer steps (resume checks it)."""
+        return {"student": step}
+
+    def saved_roles(self) -> dict[str, ModelBase]:
+        """Roles written beside the student's final weights, by output subfolder (none here)."""
+        return {}
+
     # Which recipe keys change this method's math (checked on resume).
     def math_signature(self) -> dict[str, Any]:
         return {

@@ -85,6 +85,8 @@ class TrainingBatch:
     attn_metadata: Any = None
     attn_metadata_vsa: Any = None
     extras: dict = field(default_factory=dict)
+    # The unconditional branch's conditioning where a method sets one (else the text zeroed).
+    unconditional: Optional[Conditioning] = None
 
     def __post_init__(self) -> None:
         if self.conditioning is None and self.encoder_hidden_states is not None:
@@ -137,6 +139,8 @@ class ModelBase:
 
     transformer: torch.nn.Module
     _trainable: bool = True
+    # The role this model plays in training: student, teacher or critic.
+    role: str = "student"
     # The VSA controllers of the transformers (`training.vsa`; fv_accel.vsa), empty when dense.
     vsa_controllers: tuple = ()
     # Causal attention block size in latent frames, or None for bidirectional attention.
@@ -323,17 +327,50 @@ class ModelBase:
         training_batch: TrainingBatch,
         *,
         conditional: bool = True,
+        cfg_uncond: Optional[dict] = None,
         attn_kind: str = "dense",
     ) -> torch.Tensor:
         """The seed's name for `forward`. The attention is the installed processors'; with
-        `attn_kind` "vsa" the batch's `attn_metadata_vsa` gives the sparsity it runs at."""
+        `attn_kind` "vsa" the batch's `attn_metadata_vsa` gives the sparsity it runs at. The
+        unconditional branch is the batch's `unconditional` conditioning where the method set one
+        (distillation: the pipeline's negative prompt), else the text zeroed; `cfg_uncond` is the
+        method's policy, already applied there."""
+        del cfg_uncond
         meta = training_batch.attn_metadata_vsa
         if attn_kind == "vsa" and meta is not None:
             self.set_vsa_sparsity(meta.sparsity)
         cond = training_batch.conditioning
         if cond is None:
             raise ValueError("training_batch.conditioning is not set")
-        return self.forward(noisy_latents, timesteps, cond if conditional else cond.unconditional())
+        if not conditional:
+            cond = training_batch.unconditional if training_batch.unconditional is not None else cond.unconditional()
+        if not timesteps.is_floating_point():
+            timesteps = timesteps.float()  # a step list's integer values
+        if timesteps.ndim == 1 and timesteps.shape[0] != noisy_latents.shape[0]:
+            timesteps = timesteps.expand(noisy_latents.shape[0])  # one value for the whole batch ([1])
+        return self.forward(noisy_latents, timesteps, cond)
+
+    def predict_x0(
+        self,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        training_batch: TrainingBatch,
+        *,
+        conditional: bool = True,
+        cfg_uncond: Optional[dict] = None,
+        attn_kind: str = "dense",
+    ) -> torch.Tensor:
+        """The clean sample this role predicts: x_t - sigma * v with v from `predict_noise` (the one
+        transformer call) and sigma from this role's own training table at the entry nearest to
+        `timesteps` (a value that need not lie on the table)."""
+        velocity = self.predict_noise(
+            noisy_latents, timesteps, training_batch, conditional=conditional, cfg_uncond=cfg_uncond, attn_kind=attn_kind
+        )
+        return self.training_table(noisy_latents.shape).x0_from_velocity(noisy_latents, velocity, timesteps)
+
+    def add_noise(self, clean: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """x_t of `clean` at the training-table entry nearest to `timesteps` ([1] or [B])."""
+        return self.training_table(clean.shape).add_noise_at(clean, noise, timesteps)
 
     def sample_latents(self, vae: Any, cond: Conditioning, negative: Optional[Conditioning], **kwargs: Any) -> Any:
         """Normalised latents of a sample through the family's own diffusers pipeline, or None when

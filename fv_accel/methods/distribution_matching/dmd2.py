@@ -1,0 +1,330 @@
+"""DMD2Method: distribution-matching distillation of a teacher into a few-step student (roles
+student, teacher, critic), with FastVideo 0.2.1's semantics and key names.
+
+Per step (iteration = the 1-based step number), every draw from the method's generator
+(`cuda_generator`), in this order:
+1. the SFT preparation's draws, unused by DMD2: noise [B, C, T, H, W], then `u` [B];
+2. when the student is updated (iteration % generator_update_interval == 0): a rollout of the
+   student with gradient through its last prediction, then the DMD gradient (score timestep, noise;
+   critic, teacher conditional and unconditional predictions);
+3. the critic's flow-matching loss on a second, fresh rollout without gradient (score timestep, noise).
+
+A rollout (`simulate`) draws the exit index among the few steps, the start noise, and runs every
+step of the list (a fresh noise per re-noising) whatever the exit; `data_latent` draws one step
+of the list and noises the data latents to it. Every noise after the preparation is drawn in
+FastVideo's [B, T, C, H, W] layout and permuted to ours, so both draw the same numbers.
+The score timestep is `randint(0, N)` shifted by the student's shift, clamped to [0, N], then to
+the recipe's window `[int(min_ratio * N), int(max_ratio * N)]` (a clamp, not a resample).
+Noising uses the student's table; each role converts its velocity to x0 with its own table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+from fv_accel.methods.base import LogScalar, TrainingMethod, _parse_ratio
+from fv_accel.models.base import ModelBase, TrainingBatch
+from fv_accel.schedulers import randn
+
+ROLES = ("student", "teacher", "critic")
+
+
+def parse_cfg_uncond(raw: Any) -> Optional[dict]:
+    """`method.cfg_uncond` (FastVideo's): None, or {channel: keep | zero | drop (text also
+    negative_prompt), on_missing: error | ignore}; each bad value a ValueError naming it."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"method.cfg_uncond must be a mapping, got {type(raw).__name__} {raw!r}")
+    out = dict(raw)
+    on_missing = str(out.get("on_missing") or "error").strip().lower()
+    if on_missing not in ("error", "ignore"):
+        raise ValueError(f"method.cfg_uncond.on_missing must be error or ignore, got {out.get('on_missing')!r}")
+    out["on_missing"] = on_missing
+    for channel, policy in raw.items():
+        if channel == "on_missing" or policy is None:
+            continue
+        allowed = {"keep", "zero", "drop"} | ({"negative_prompt"} if channel == "text" else set())
+        value = str(policy).strip().lower() if isinstance(policy, str) else None
+        if value not in allowed:
+            raise ValueError(f"method.cfg_uncond.{channel} must be one of {sorted(allowed)}, got {policy!r}")
+        out[channel] = value
+    return out
+
+
+class DMD2Method(TrainingMethod):
+    """DMD2: a few-step student, a frozen teacher (the real score) and a trained critic (the fake score)."""
+
+    def __init__(self, *, cfg: Any, role_models: dict[str, ModelBase]) -> None:
+        super().__init__(cfg=cfg, role_models=role_models)
+        missing = [r for r in ROLES if r not in role_models]
+        if missing:
+            raise ValueError(f"DMD2Method requires roles {', '.join(ROLES)}; missing {', '.join(missing)}")
+        self.teacher = role_models["teacher"]
+        self.critic = role_models["critic"]
+        if not self.student._trainable:
+            raise ValueError("DMD2Method requires student to be trainable (models.student.trainable)")
+        if self.teacher._trainable:
+            raise ValueError("DMD2Method requires teacher to be non-trainable (models.teacher.trainable: false)")
+        if not self.critic._trainable:
+            raise ValueError("DMD2Method requires critic to be trainable (models.critic.trainable)")
+        mc = cfg.method
+        if mc.rollout_mode is None:
+            raise ValueError("method.rollout_mode must be set for dmd2: simulate or data_latent")
+        self._rollout_mode: Literal["simulate", "data_latent"] = mc.rollout_mode
+        if self.noise_rng != "rank":
+            raise ValueError("training.loop.noise_rng: dmd2 draws from one generator per rank (rank), not per sample")
+        self._cfg_uncond = parse_cfg_uncond(mc.cfg_uncond)
+        self._steps = self._parse_denoising_steps(mc.dmd_denoising_steps)
+        if int(mc.generator_update_interval) < 1:
+            raise ValueError(f"method.generator_update_interval must be an integer >= 1, got {mc.generator_update_interval!r}")
+        self._interval = int(mc.generator_update_interval)
+        self._guidance = float(mc.real_score_guidance_scale)
+        self._score_bounds = self._parse_score_bounds()
+        self._attn_kind: Literal["dense", "vsa"] = self._infer_attn_kind()
+        self._init_student()
+        for role in (self.teacher, self.critic):
+            role.init_preprocessors(self.training_config)
+        self.teacher.transformer.eval()
+        self._init_optimizers()
+
+    # ---- recipe parsing ----
+    def _parse_denoising_steps(self, raw: Any) -> torch.Tensor:
+        n = self.table.num_train_timesteps
+        if not isinstance(raw, list) or not raw:
+            raise ValueError("method.dmd_denoising_steps must be a non-empty list of timesteps, e.g. [1000, 750, 500, 250]")
+        if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= n for s in raw):
+            raise ValueError(f"method.dmd_denoising_steps must be integers in [0, {n}], got {raw!r}")
+        return torch.tensor(raw, dtype=torch.long)
+
+    def _parse_score_bounds(self) -> tuple[int, int]:
+        """The score timestep window: [int(min_ratio * N), int(max_ratio * N)]."""
+        mc = self.cfg.method
+        lo = _parse_ratio(mc.min_timestep_ratio, "min_timestep_ratio")
+        hi = _parse_ratio(mc.max_timestep_ratio, "max_timestep_ratio")
+        if hi < lo:
+            raise ValueError(f"method.max_timestep_ratio ({hi}) must be >= method.min_timestep_ratio ({lo})")
+        n = self.table.num_train_timesteps
+        return int(lo * n), int(hi * n)
+
+    def _init_optimizers(self) -> None:
+        """The student's optimizer and schedule from `training.optimizer`; the critic's from it with
+        `method.fake_score_learning_rate`, `fake_score_betas` and `fake_score_lr_scheduler`."""
+        from fv_accel.optim import build_lr_scheduler, build_optimizer
+
+        mc = self.cfg.method
+        for key in ("fake_score_learning_rate", "fake_score_betas", "fake_score_lr_scheduler"):
+            if getattr(mc, key) is None:
+                raise ValueError(f"method.{key} must be set for dmd2 (e.g. 8e-6, [0.0, 0.999], constant)")
+        if mc.fake_score_learning_rate <= 0:
+            raise ValueError(f"method.fake_score_learning_rate must be > 0, got {mc.fake_score_learning_rate!r}")
+        if len(mc.fake_score_betas) != 2 or not all(0 <= b < 1 for b in mc.fake_score_betas):
+            raise ValueError(f"method.fake_score_betas must be two numbers in [0, 1), got {mc.fake_score_betas!r}")
+        self.optimizer = build_optimizer(self.cfg, self.student.trainable_parameters())
+        self.lr_scheduler = build_lr_scheduler(self.cfg, self.optimizer)
+        training = self.cfg.training
+        critic_opt = dataclasses.replace(
+            training.optimizer, learning_rate=float(mc.fake_score_learning_rate), betas=list(mc.fake_score_betas),
+            lr_scheduler=str(mc.fake_score_lr_scheduler),
+        )
+        critic_cfg = dataclasses.replace(self.cfg, training=dataclasses.replace(training, optimizer=critic_opt))
+        self.critic_optimizer = build_optimizer(critic_cfg, self.critic.trainable_parameters())
+        self.critic_lr_scheduler = build_lr_scheduler(critic_cfg, self.critic_optimizer)
+
+    # ---- what the trainer steps ----
+    def trainable_roles(self) -> dict[str, ModelBase]:
+        return {"student": self.student, "critic": self.critic}
+
+    @property
+    def optimizer_dict(self) -> dict[str, Any]:
+        return {"student": self.optimizer, "critic": self.critic_optimizer}
+
+    @property
+    def lr_scheduler_dict(self) -> dict[str, Any]:
+        return {"student": self.lr_scheduler, "critic": self.critic_lr_scheduler}
+
+    def set_optimizer(self, role: str, optimizer: Any, lr_scheduler: Any) -> None:
+        if role == "critic":
+            self.critic_optimizer, self.critic_lr_scheduler = optimizer, lr_scheduler
+        else:
+            super().set_optimizer(role, optimizer, lr_scheduler)
+
+    def should_update_student(self, iteration: int) -> bool:
+        return iteration % self._interval == 0
+
+    def get_optimizers(self, iteration: int) -> list[Any]:
+        return [self.critic_optimizer] + ([self.optimizer] if self.should_update_student(iteration) else [])
+
+    def get_lr_schedulers(self, iteration: int) -> list[Any]:
+        return [self.critic_lr_scheduler] + ([self.lr_scheduler] if self.should_update_student(iteration) else [])
+
+    def get_grad_clip_targets(self, iteration: int) -> dict[str, torch.nn.Module]:
+        targets = {"student": self.student.transformer} if self.should_update_student(iteration) else {}
+        targets["critic"] = self.critic.transformer
+        return targets
+
+    def lr_scheduler_steps(self, step: int) -> dict[str, int]:
+        return {"student": step // self._interval, "critic": step}
+
+    def saved_roles(self) -> dict[str, ModelBase]:
+        return {"critic": self.critic}
+
+    # ---- draws ----
+    def _randn_like_fastvideo(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """Noise for latents of our shape [B, C, T, H, W], drawn as FastVideo draws it ([B, T, C, H, W])."""
+        b, c, t, h, w = shape
+        return randn((b, t, c, h, w), self.cuda_generator, device).permute(0, 2, 1, 3, 4)
+
+    def _randint(self, high: int, device: torch.device) -> torch.Tensor:
+        return torch.randint(0, high, (1,), generator=self.cuda_generator, device=device, dtype=torch.long)
+
+    def denoising_steps(self, latent_shape: torch.Size) -> torch.Tensor:
+        """The student's few timesteps: the recipe's list, through the student's table with warp."""
+        steps = self._steps
+        if self.cfg.method.warp_denoising_step:
+            steps = self.student.training_table(latent_shape).warp_steps(steps)
+        return steps.to(self.device)
+
+    def sample_score_timestep(self, latent_shape: torch.Size, device: torch.device) -> torch.Tensor:
+        n = self.table.num_train_timesteps
+        t = self.student.training_table(latent_shape).shift_timestep(self._randint(n, device))
+        return t.clamp(0, n).clamp(*self._score_bounds)
+
+    # ---- the batch ----
+    def _prepare_dmd_batch(self, batch: dict[str, Any]) -> TrainingBatch:
+        """The student's conditioning and latents (the data's, or zeros of the rollout's shape in
+        `simulate`), then the SFT preparation's draws (noise, u), which DMD2 does not use."""
+        if self._rollout_mode == "simulate":
+            cond = self.student.build_conditioning(batch)
+            tb = TrainingBatch(latents=torch.zeros(self.rollout_shape(batch), device=self.device), conditioning=cond)
+        else:
+            tb = self.student.prepare_batch(batch, latents_source="data")
+        tb.noise = randn(tb.latents.shape, self.cuda_generator, tb.latents.device)
+        idx = self.sample_homogeneous_indices(tb.latents.shape[0], self.cuda_generator, tb.latents.device, in_range=False)
+        tb = self.attach_vsa_metadata(self.noise_to(tb, idx))
+        tb.unconditional = self._unconditional(batch, tb)
+        return tb
+
+    def rollout_shape(self, batch: dict[str, Any]) -> tuple[int, ...]:
+        """[B, C, T, H, W] of a simulated rollout: the batch's latents' shape, else the recipe's
+        (training.data.num_latent_t / num_height / num_width) for prompts-only data."""
+        if batch.get("vae_latent") is not None:
+            return tuple(batch["vae_latent"].shape)
+        from fv_accel.data.loader import recipe_latent_shape
+
+        batch_size = int(batch["text_embedding"].shape[0])
+        return (batch_size, *recipe_latent_shape(self.cfg, self.student))
+
+    def _unconditional(self, batch: dict[str, Any], tb: TrainingBatch) -> Any:
+        """The unconditional branch: the pipeline's negative prompt (the dataset's stored
+        unconditional text, `negative_text_embedding`) by default or with cfg_uncond text
+        negative_prompt; the text zeroed with `zero`; the conditional text with `keep`."""
+        policy = (self._cfg_uncond or {}).get("text") or "negative_prompt"
+        cond = tb.conditioning
+        if policy == "keep":
+            return cond
+        if policy == "negative_prompt" and batch.get("negative_text_embedding") is not None:
+            negative = batch["negative_text_embedding"].to(device=self.device, dtype=torch.float32)
+            mask = batch.get("negative_text_attention_mask")
+            return dataclasses.replace(
+                cond, text=negative, text_mask=None if mask is None else mask.to(device=self.device, dtype=torch.long)
+            )
+        return cond.unconditional()
+
+    # ---- the rollout ----
+    def student_rollout(self, tb: TrainingBatch, *, with_grad: bool) -> torch.Tensor:
+        """The student's x0 at a drawn exit of its few steps (see the module docstring)."""
+        latents = tb.latents
+        device = latents.device
+        steps = self.denoising_steps(latents.shape)
+        predict = dict(conditional=True, cfg_uncond=self._cfg_uncond, attn_kind=self._attn_kind)
+        if self._rollout_mode == "data_latent":
+            timestep = steps[self._randint(len(steps), device)]
+            noisy = self.student.add_noise(latents, self._randn_like_fastvideo(latents.shape, device), timestep)
+            return self.student.predict_x0(noisy, timestep, tb, **predict)
+        exit_index = int(self._randint(len(steps), device).item())
+        x = self._randn_like_fastvideo(latents.shape, device)
+        start = x.clone()
+        renoised: list[torch.Tensor] = []
+        with torch.no_grad():
+            for k in range(len(steps) - 1):
+                x0 = self.student.predict_x0(x, steps[k : k + 1], tb, **predict)
+                x = self.student.add_noise(x0, self._randn_like_fastvideo(latents.shape, device), steps[k + 1 : k + 2])
+                renoised.append(x.clone())
+        noisy = renoised[exit_index - 1] if exit_index > 0 else start
+        with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+            return self.student.predict_x0(noisy, steps[exit_index : exit_index + 1], tb, **predict)
+
+    # ---- the losses ----
+    def dmd_loss(self, generator_x0: torch.Tensor, tb: TrainingBatch) -> torch.Tensor:
+        """0.5 * ||x0 - sg(x0 - g)||^2 with g = (critic x0 - teacher's guided x0) / mean|x0 - teacher's guided x0|."""
+        device = generator_x0.device
+        dense = dict(cfg_uncond=self._cfg_uncond, attn_kind="dense")
+        with torch.no_grad():
+            timestep = self.sample_score_timestep(generator_x0.shape, device)
+            noise = self._randn_like_fastvideo(generator_x0.shape, device)
+            noisy = self.student.add_noise(generator_x0, noise, timestep)
+            fake_x0 = self.critic.predict_x0(noisy, timestep, tb, conditional=True, **dense)
+            real_cond = self.teacher.predict_x0(noisy, timestep, tb, conditional=True, **dense)
+            real_uncond = self.teacher.predict_x0(noisy, timestep, tb, conditional=False, **dense)
+            real_x0 = real_uncond + (real_cond - real_uncond) * self._guidance
+            denom = torch.abs(generator_x0 - real_x0).mean()
+            grad = torch.nan_to_num((fake_x0 - real_x0) / denom)
+        x0 = generator_x0.float()
+        return 0.5 * F.mse_loss(x0, (x0 - grad.float()).detach())
+
+    def critic_loss(self, tb: TrainingBatch) -> torch.Tensor:
+        """The critic's flow-matching loss on a fresh rollout of the student (no gradient to it)."""
+        with torch.no_grad():
+            generator_x0 = self.student_rollout(tb, with_grad=False)
+        device = generator_x0.device
+        timestep = self.sample_score_timestep(generator_x0.shape, device)
+        noise = self._randn_like_fastvideo(generator_x0.shape, device)
+        noisy = self.student.add_noise(generator_x0, noise, timestep)
+        pred = self.critic.predict_noise(noisy, timestep, tb, conditional=True, cfg_uncond=self._cfg_uncond, attn_kind="dense")
+        return torch.mean((pred.float() - (noise - generator_x0).float()) ** 2)
+
+    # ---- the public face ----
+    def single_train_step(
+        self, batch: dict[str, Any], iteration: int
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, LogScalar]]:
+        tb = self._prepare_dmd_batch(batch)
+        update_student = self.should_update_student(iteration)
+        generator_loss = torch.zeros((), device=tb.latents.device, dtype=tb.latents.dtype)
+        if update_student:
+            generator_loss = self.dmd_loss(self.student_rollout(tb, with_grad=True), tb)
+        fake_score_loss = self.critic_loss(tb)
+        loss_map = {
+            "total_loss": generator_loss + fake_score_loss,
+            "generator_loss": generator_loss,
+            "fake_score_loss": fake_score_loss,
+        }
+        outputs: dict[str, Any] = {"_fv_backward": {"update_student": update_student}, "training_batch": tb}
+        metrics: dict[str, Any] = {"update_student": torch.tensor(float(update_student))}
+        return loss_map, outputs, metrics
+
+    def backward(self, loss_map: dict[str, torch.Tensor], outputs: dict[str, Any], *, grad_accum_rounds: int = 1) -> None:
+        rounds = max(1, int(grad_accum_rounds))
+        if outputs["_fv_backward"]["update_student"]:
+            self.student.backward(loss_map["generator_loss"], None, grad_accum_rounds=rounds)
+        self.critic.backward(loss_map["fake_score_loss"], None, grad_accum_rounds=rounds)
+
+    def math_signature(self) -> dict[str, Any]:
+        sig = super().math_signature()
+        mc = self.cfg.method
+        sig.update({
+            "models.teacher.flow_shift": self.teacher.describe_training_shift(),
+            "models.critic.flow_shift": self.critic.describe_training_shift(),
+            "method.rollout_mode": self._rollout_mode,
+            "method.dmd_denoising_steps": self._steps.tolist(),
+            "method.warp_denoising_step": bool(mc.warp_denoising_step),
+            "method.generator_update_interval": self._interval,
+            "method.real_score_guidance_scale": self._guidance,
+            "method.score_timestep_bounds": list(self._score_bounds),
+            "method.fake_score_lr_scheduler": mc.fake_score_lr_scheduler,
+        })
+        return sig

@@ -1,0 +1,122 @@
+"""DMD2 (method.name dmd2): roles student, teacher and critic on one run; the method owns its two
+optimizers; the teacher is frozen (no gradient, no optimizer state, never wrapped, eval mode);
+the student is updated every generator_update_interval steps; resume is bitwise; the critic is saved
+beside the student."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fv_accel import Trainer, build_from_config
+from fv_accel.config import ConfigError, load_config
+from dmd2_helpers import DMD2_RECIPE, dmd2_overrides
+
+
+def test_roles_start_from_the_teacher_and_only_the_teacher_is_frozen(tmp_path):
+    run = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path))
+    m = run.method
+    acc = run.accelerator
+    assert (m.student.role, m.teacher.role, m.critic.role) == ("student", "teacher", "critic")
+    teacher = dict(m.teacher.transformer.named_parameters())
+    for role in (m.student, m.critic):
+        for name, p in role.transformer.named_parameters():
+            assert torch.equal(p, teacher[name]), name  # same initial weights
+            assert p.requires_grad
+    assert not any(p.requires_grad for p in teacher.values())
+    assert not m.teacher.transformer.training
+    # No optimizer holds a teacher parameter; the engine wrapped student and critic, not the teacher.
+    teacher_ids = {id(p) for p in teacher.values()}
+    for opt in m.optimizer_dict.values():
+        assert not teacher_ids & {id(p) for g in opt.param_groups for p in g["params"]}
+    assert set(m.optimizer_dict) == {"student", "critic"}
+    assert len(acc._models) == 2 and all(model is not m.teacher.transformer for model in acc._models)
+    # The critic's optimizer follows the fake_score_* keys.
+    group = m.critic_optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(1e-3) and tuple(group["betas"]) == (0.0, 0.999)
+
+
+def test_the_student_steps_every_interval_and_the_teacher_never_changes(tmp_path):
+    run = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path, **{
+        "method.generator_update_interval": 2, "training.loop.max_train_steps": 4,
+        "training.tracker.log_every": 1,
+    }))
+    m = run.method
+    before = {r: {k: v.detach().clone() for k, v in getattr(m, r).transformer.state_dict().items()} for r in ("student", "teacher", "critic")}
+    steps_taken = {"student": [], "critic": []}
+    for role, opt in m.optimizer_dict.items():
+        original = opt.step
+
+        def step(*a, _role=role, _orig=original, **k):
+            steps_taken[_role].append(True)
+            return _orig(*a, **k)
+
+        opt.step = step
+    summary = Trainer(run).run()
+    assert summary["steps"] == 4 and summary["skipped_steps"] == 0
+    assert len(steps_taken["critic"]) == 4 and len(steps_taken["student"]) == 2
+    rows = [json.loads(line) for line in (tmp_path / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update_student"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+    assert [r["generator_loss"] == 0.0 for r in rows] == [True, False, True, False]
+    assert all(r["fake_score_loss"] > 0 for r in rows)
+    assert "grad_norm_student" in rows[1] and "grad_norm_critic" in rows[1] and "lr_critic" in rows[0]
+    after = {r: getattr(m, r).transformer.state_dict() for r in ("student", "teacher", "critic")}
+    for k, v in before["teacher"].items():
+        assert torch.equal(v, after["teacher"][k]), k
+    assert any(not torch.equal(v, after["student"][k]) for k, v in before["student"].items())
+    assert any(not torch.equal(v, after["critic"][k]) for k, v in before["critic"].items())
+    # The student's schedule counted its own updates, the critic's every step.
+    assert m.lr_scheduler.scheduler.last_epoch == 2 and m.critic_lr_scheduler.scheduler.last_epoch == 4
+    # transformer/ is the student; critic/ beside it.
+    out = tmp_path / "out"
+    student_saved = load_file(str(next((out / "transformer").glob("*.safetensors"))))
+    critic_saved = load_file(str(next((out / "critic" / "transformer").glob("*.safetensors"))))
+    for k, v in after["student"].items():
+        assert torch.equal(student_saved[k], v), k
+    for k, v in after["critic"].items():
+        assert torch.equal(critic_saved[k], v), k
+
+
+@pytest.mark.slow
+def test_resume_equals_a_straight_run_bitwise(tmp_path):
+    common = {"method.generator_update_interval": 2, "training.checkpoint.training_state_checkpointing_steps": 3}
+    straight = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path / "a", **common, **{"training.loop.max_train_steps": 6}))
+    Trainer(straight).run()
+    first = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path / "b", **common, **{"training.loop.max_train_steps": 3}))
+    Trainer(first).run()
+    resumed = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path / "b", **common, **{
+        "training.loop.max_train_steps": 6, "training.checkpoint.resume_from_checkpoint": "latest"}))
+    assert resumed.start_step == 3
+    Trainer(resumed).run()
+    for role in ("student", "critic"):
+        a = getattr(straight.method, role).transformer.state_dict()
+        b = getattr(resumed.method, role).transformer.state_dict()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (role, k)
+    for name in ("student", "critic"):
+        sa = straight.method.optimizer_dict[name].state_dict()["state"]
+        sb = resumed.method.optimizer_dict[name].state_dict()["state"]
+        for i in sa:
+            for key in sa[i]:
+                assert torch.equal(torch.as_tensor(sa[i][key]), torch.as_tensor(sb[i][key])), (name, i, key)
+    assert torch.equal(straight.method.cuda_generator.get_state(), resumed.method.cuda_generator.get_state())
+
+
+def test_recipe_errors_are_one_line_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="models.teacher"):
+        load_config(DMD2_RECIPE, {"models.teacher": None})
+    with pytest.raises(ConfigError, match="models.teacher.*method.name 'finetune'"):
+        load_config(DMD2_RECIPE, {"method.name": "finetune"})
+    for key, value, words in [
+        ("method.rollout_mode", None, "method.rollout_mode"),
+        ("method.fake_score_lr_scheduler", None, "method.fake_score_lr_scheduler"),
+        ("method.fake_score_learning_rate", None, "method.fake_score_learning_rate"),
+        ("method.dmd_denoising_steps", [], "method.dmd_denoising_steps"),
+        ("method.generator_update_interval", 0, "method.generator_update_interval"),
+        ("models.teacher.trainable", True, "teacher to be non-trainable"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path / key, **{key: value}))
