@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("fv_accel.methods.distribution_matching.dmd2")
 
-from conftest import tiny_overrides  # noqa: E402
+from dmd2_helpers import dmd2_overrides  # noqa: E402
 from dmd2_standins import standin_batch, standin_predict_noise  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,9 +40,12 @@ def case_overrides(case: dict[str, Any], tmp_path: Path, data_path: str) -> dict
     stand-in latents are used as they are (statistics 0 / 1), the text is L tokens long. The latent
     shape is the stand-in batch's (FastVideo's simulate rollout takes its zeros' shape from
     training.data.num_latent_t / num_height / num_width, set there to the same sizes; here those keys
-    would filter the tiny dataset's rows, which the test does not read)."""
+    would filter the tiny dataset's rows, which the test does not read). The teacher is the tests' inline
+tiny Wan (dmd2_helpers), which the stand-ins replace anyway."""
     s = GOLDEN["shapes"]
-    extra: dict[str, Any] = {f"method.{key}": case["method"][key] for key in METHOD_KEYS if key in case["method"]}
+    # A case without score bounds runs FastVideo's defaults (0.0 / 1.0), not the tiny recipe's.
+    extra: dict[str, Any] = {"method.min_timestep_ratio": 0.0, "method.max_timestep_ratio": 1.0}
+    extra.update({f"method.{key}": case["method"][key] for key in METHOD_KEYS if key in case["method"]})
     extra.update({f"models.{role}.flow_shift": shift for role, shift in case["flow_shift"].items()})
     extra.update({
         "models.student.latents_mean": [0.0] * s["C"],
@@ -55,7 +58,7 @@ def case_overrides(case: dict[str, Any], tmp_path: Path, data_path: str) -> dict
         "training.loop.max_train_steps": len(GOLDEN["iterations"]),
         "training.checkpoint.save_final": False,
     })
-    return tiny_overrides(tmp_path, **extra)
+    return dmd2_overrides(tmp_path, **extra)
 
 
 def install_standins(method: Any) -> None:
