@@ -782,8 +782,25 @@ def _prepare_for_engine(cfg: RunConfig, acc: Any, student: Any, method: Any) -> 
         )
         method.set_optimizer(name, optimizer, lr_scheduler)
         role.after_prepare()
+    shard_frozen_roles(acc, cfg, method)
     if acc.is_main_process:
         logger.info("%s", describe_engine(acc, student.transformer))
+
+
+def shard_frozen_roles(acc: Any, cfg: RunConfig, method: Any) -> None:
+    """Under FSDP2 the frozen roles (a distillation teacher) are sharded like the trained ones, by
+    Accelerate's prepare, so no process holds a whole copy; elsewhere they stay whole on the device
+    (DDP wraps only what has gradients to synchronise)."""
+    from accelerate.utils import DistributedType
+
+    if acc.distributed_type != DistributedType.FSDP:
+        return
+    trained = set(map(id, method.trainable_roles().values()))
+    for role in method.role_models.values():
+        if id(role) not in trained:
+            configure_engine(acc, cfg, role)
+            role.transformer = acc.prepare(role.transformer)
+            role.transformer.eval()
 
 
 def check_roles_engine(acc: Any, cfg: RunConfig, roles: dict) -> None:

@@ -160,6 +160,12 @@ def run_one(spec: dict, out_root: Path) -> dict:
     }
     if not sharded:
         save_weights(acc.unwrap_model(model), out / f"rank{rank}.safetensors")
+        critic = getattr(method, "critic", None)
+        if critic is not None:  # a distillation run's second trained role
+            save_weights(acc.unwrap_model(critic.transformer), out / f"critic_rank{rank}.safetensors")
+    teacher = getattr(method, "teacher", None)
+    if teacher is not None:
+        record["teacher_param_type"] = type(next(teacher.transformer.parameters())).__name__
     (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
     return record
 

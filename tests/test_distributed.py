@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 DRIVER = REPO / "tests" / "dist_driver.py"
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 RECIPES = {"finetune": "configs/tiny_finetune.yaml", "dfsft": "configs/tiny_dfsft.yaml"}
+DMD2_RECIPE = "configs/tiny_dmd2.yaml"
 STEPS = 3
 WEIGHT_TOL = 1e-5
 LORA = {"training.data.train_batch_size": 1, "models.student.lora.enable": True}
@@ -148,7 +149,25 @@ def ddp_runs(tmp_path_factory, tiny_data_path):
         {"name": name, "recipe": RECIPES[method], "engine": "launch", "overrides": overrides(root / name, **extra, **ULYSSES2)}
         for name, (method, extra) in ULYSSES_RUNS.items()
     ]
+    runs.append({"name": "dmd2_2proc", "recipe": DMD2_RECIPE, "engine": "launch", "overrides": dmd2_run(root / "dmd2_2proc")})
     return root, launch("accelerate_configs/cpu_2proc.yaml", runs, root)
+
+
+def dmd2_run(out_dir: Path, **extra) -> dict:
+    """A tiny DMD2 run (the tests' inline teacher; student and critic start from it) at batch 1 per
+    process with per-sample generators: 3 steps, the student updated at step 2."""
+    from tests.dmd2_helpers import dmd2_overrides
+
+    base = dmd2_overrides(out_dir.parent, **{
+        "training.checkpoint.output_dir": str(out_dir),
+        "training.loop.noise_rng": "sample",
+        "training.loop.max_train_steps": STEPS,
+        "training.optimizer.eps": 1e-5,
+        "training.data.train_batch_size": 1,
+        "method.generator_update_interval": 2,
+    })
+    base.update(extra)
+    return base
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +211,7 @@ def fsdp_runs(tmp_path_factory, tiny_data_path, ddp_runs):
             "engine": "fsdp2",
             "overrides": overrides(root / "dfsft_causal_ulysses2_fsdp2", **CAUSAL, **ULYSSES2),
         },
+        {"name": "dmd2_fsdp2", "recipe": DMD2_RECIPE, "engine": "fsdp2", "overrides": dmd2_run(root / "dmd2_fsdp2")},
         {
             "name": "finetune_fsdp2_resumed",
             "recipe": RECIPES["finetune"],
@@ -674,3 +694,47 @@ def test_fsdp_activation_offload_with_lora_is_refused():
     lora = build_student(load_config(REPO / RECIPES["finetune"], {"models.student.lora.enable": True}))
     with pytest.raises(ValueError, match="fsdp_activation_checkpointing_offload.*lora"):
         configure_fsdp2(plugin, "no", lora)
+
+
+@pytest.mark.multiproc
+def test_dmd2_two_processes_equal_one_process(ddp_runs, tmp_path):
+    """DMD2 on 2 processes x batch 1 ends where 1 process x batch 1 x 2 accumulation steps ends, for
+    the student and the critic (per-sample generators: each sample draws the same numbers wherever
+    it is trained; the DMD gradient's batch-wide denominator makes a batch of 2 in one forward
+    another computation, as in FastVideo)."""
+    root, records = ddp_runs
+    ranks = records["dmd2_2proc"]
+    folder = root / "records" / "dmd2_2proc"
+    driver = _driver()
+    driver.reset_accelerate()
+    one = driver.run_one(
+        {"name": "dmd2_accum2", "recipe": DMD2_RECIPE, "engine": "launch",
+         "overrides": dmd2_run(tmp_path / "dmd2_accum2", **{"training.loop.gradient_accumulation_steps": 2})},
+        tmp_path / "records",
+    )
+    assert one["world_size"] == 1
+    for prefix in ("", "critic_"):
+        w0, w1 = (load_file(str(folder / f"{prefix}rank{r}.safetensors")) for r in (0, 1))
+        assert max_diff(w0, w1) == 0.0
+        w_one = load_file(str(tmp_path / "records" / "dmd2_accum2" / f"{prefix}rank0.safetensors"))
+        assert max_diff(w0, w_one) < WEIGHT_TOL, prefix
+    assert max_diff(load_file(str(folder / "rank0.safetensors")), load_file(str(folder / "init.safetensors"))) > 1e-4
+    for step in range(STEPS):
+        mean_of_ranks = (ranks[0]["steps"][step]["local_loss"] + ranks[1]["steps"][step]["local_loss"]) / 2
+        assert one["logged"][step]["loss"] == pytest.approx(mean_of_ranks, abs=1e-5)
+    # The frozen teacher is never wrapped for gradient sync.
+    assert all(rec["teacher_param_type"] == "Parameter" for rec in ranks)
+
+
+@pytest.mark.multiproc
+def test_dmd2_under_fsdp2_shards_all_roles_and_saves_student_and_critic(fsdp_runs, ddp_runs):
+    root, records = fsdp_runs
+    ddp_root, _ = ddp_runs
+    for rec in records["dmd2_fsdp2"]:
+        assert rec["is_fsdp2"] and rec["param_type"] == "DTensor" and rec["teacher_param_type"] == "DTensor"
+    out = root / "dmd2_fsdp2"
+    student = load_file(str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
+    critic = load_file(str(out / "critic" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    ddp = ddp_root / "records" / "dmd2_2proc"
+    assert max_diff(student, load_file(str(ddp / "rank0.safetensors"))) < WEIGHT_TOL
+    assert max_diff(critic, load_file(str(ddp / "critic_rank0.safetensors"))) < WEIGHT_TOL

@@ -370,9 +370,11 @@ def register_adapter_checkpointing(
     set_files_state: Callable[[dict[str, torch.Tensor], Optional[dict[str, Any]]], None],
     *,
     pipeline_cls: type,
+    subfolder: str = "",
 ) -> None:
     """Make `accelerator.save_state` write the adapter (as `pytorch_lora_weights.safetensors`,
     directly loadable by diffusers) instead of the whole transformer, and `load_state` read it.
+    A role other than the student keeps its adapter in the checkpoint's `subfolder` (its role name)."""
 
     Under DDP / one process Accelerate hands the hooks the model state dicts it is about to save;
     removing the transformer's keeps the frozen base out of the checkpoint. FSDP and DeepSpeed
@@ -389,13 +391,13 @@ def register_adapter_checkpointing(
                 break
         state, metadata = get_files_state()
         if accelerator.is_main_process:
-            save_diffusers_lora(output_dir, state, metadata, pipeline_cls=pipeline_cls)
+            save_diffusers_lora(Path(output_dir) / subfolder, state, metadata, pipeline_cls=pipeline_cls)
 
     def load_hook(models: list, input_dir: str) -> None:
         for i, model in enumerate(models):
             if is_ours(model):
                 models.pop(i)  # a local list of `load_state`: Accelerate skips the model
-                path = Path(input_dir) / DIFFUSERS_LORA_FILE
+                path = Path(input_dir) / subfolder / DIFFUSERS_LORA_FILE
                 if not path.is_file():
                     raise FileNotFoundError(
                         f"checkpoint {input_dir} has no {DIFFUSERS_LORA_FILE}: it was not written by a LoRA "

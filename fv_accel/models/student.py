@@ -367,6 +367,7 @@ class DiffusersStudent(ModelBase):
                 lambda: self.lora_files_state(accelerator),
                 self.load_lora_files_state,
                 pipeline_cls=self.lora_pipeline_class(self.kind),
+                subfolder="" if self.role == "student" else self.role,
             )
 
     def enable_context_parallel(self, accelerator: Any, cp: Any) -> None:

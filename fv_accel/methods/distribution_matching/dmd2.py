@@ -76,8 +76,6 @@ class DMD2Method(TrainingMethod):
         if mc.rollout_mode is None:
             raise ValueError("method.rollout_mode must be set for dmd2: simulate or data_latent")
         self._rollout_mode: Literal["simulate", "data_latent"] = mc.rollout_mode
-        if self.noise_rng != "rank":
-            raise ValueError("training.loop.noise_rng: dmd2 draws from one generator per rank (rank), not per sample")
         self._cfg_uncond = parse_cfg_uncond(mc.cfg_uncond)
         self._steps = self._parse_denoising_steps(mc.dmd_denoising_steps)
         if int(mc.generator_update_interval) < 1:
@@ -174,13 +172,20 @@ class DMD2Method(TrainingMethod):
         return {"critic": self.critic}
 
     # ---- draws ----
+    # The step's generator(s): the rank's `cuda_generator` (FastVideo's), or with
+    # `training.loop.noise_rng: sample` one per sample, where each sample's noise comes from its own
+    # and the batch-wide draws (exit step, score timestep) from the first sample's; then one process
+    # with micro-batches of one equals several processes with one sample each.
+    _generator: Any = None
+
     def _randn_like_fastvideo(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
         """Noise for latents of our shape [B, C, T, H, W], drawn as FastVideo draws it ([B, T, C, H, W])."""
         b, c, t, h, w = shape
-        return randn((b, t, c, h, w), self.cuda_generator, device).permute(0, 2, 1, 3, 4)
+        return randn((b, t, c, h, w), self._generator, device).permute(0, 2, 1, 3, 4)
 
     def _randint(self, high: int, device: torch.device) -> torch.Tensor:
-        return torch.randint(0, high, (1,), generator=self.cuda_generator, device=device, dtype=torch.long)
+        generator = self._generator[0] if isinstance(self._generator, list) else self._generator
+        return torch.randint(0, high, (1,), generator=generator, device=device, dtype=torch.long)
 
     def denoising_steps(self, latent_shape: torch.Size) -> torch.Tensor:
         """The student's few timesteps: the recipe's list, through the student's table with warp."""
@@ -203,8 +208,8 @@ class DMD2Method(TrainingMethod):
             tb = TrainingBatch(latents=torch.zeros(self.rollout_shape(batch), device=self.device), conditioning=cond)
         else:
             tb = self.student.prepare_batch(batch, latents_source="data")
-        tb.noise = randn(tb.latents.shape, self.cuda_generator, tb.latents.device)
-        idx = self.sample_homogeneous_indices(tb.latents.shape[0], self.cuda_generator, tb.latents.device, in_range=False)
+        tb.noise = randn(tb.latents.shape, self._generator, tb.latents.device)
+        idx = self.sample_homogeneous_indices(tb.latents.shape[0], self._generator, tb.latents.device, in_range=False)
         tb = self.attach_vsa_metadata(self.noise_to(tb, idx))
         tb.unconditional = self._unconditional(batch, tb)
         return tb
@@ -292,6 +297,7 @@ class DMD2Method(TrainingMethod):
     def single_train_step(
         self, batch: dict[str, Any], iteration: int
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, LogScalar]]:
+        self._generator = self.batch_generator(batch)
         tb = self._prepare_dmd_batch(batch)
         update_student = self.should_update_student(iteration)
         generator_loss = torch.zeros((), device=tb.latents.device, dtype=tb.latents.dtype)
