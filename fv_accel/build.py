@@ -591,6 +591,9 @@ def _prepare_data_source(cfg: RunConfig, acc: Any) -> str:
 
     follow_user_data(cfg, data_path, log=acc.is_main_process)
     check_method_takes_data(cfg, data_path)
+    from fv_accel.validation import check_validation_data
+
+    check_validation_data(cfg, data_path)  # (before the student is built)
     check_dataset_family(cfg, data_path)
     _latent_stats_from_dataset(cfg, data_path)
     return data_path

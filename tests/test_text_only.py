@@ -108,6 +108,11 @@ def test_text_only_batches_hold_the_encoders_text_and_no_latent(prompts_dataset,
         assert torch.equal(batch["text_embedding"][k], expected)
         assert torch.equal(batch["text_attention_mask"][k], mask) and 1 < int(mask.sum()) < 512
         assert batch["source"][k].endswith(f"row {index} (id {_rows(out)[index]['id']!r})")
+    from fv_accel.data.inspect import report
+
+    lines = report(str(out))
+    assert "text-only dataset (preprocessed_data_type text_only): prompts without video latents" in lines
+    assert "  text_embedding: float32 x 4" in lines and "steps per epoch: 4" in lines
 
 
 def test_prompts_csv_variants_and_errors(encoder, tmp_path, capsys, tiny_model_dir):
@@ -223,6 +228,24 @@ def test_methods_and_rollout_modes_that_need_latents_refuse_text_only_data(tmp_p
     cfg = load_config(default_recipe("finetune"), {"training.data.data_path": tiny_data_path, "training.data.mix": [{"data_path": str(data)}]})
     with pytest.raises(ValueError, match=r"training\.data\.mix: .* is a text-only dataset .* mix datasets of one kind"):
         build_train_loader(cfg, world_size=1, rank=0)
+    # Validation that needs the training data's latents: refused in one line.
+    from fv_accel.validation import check_validation_data, default_video_size
+
+    over = {"training.data.data_path": str(data), "callbacks.validation.enable": True, "callbacks.validation.heldout_fraction": 0.25,
+            "callbacks.validation.heldout_data_path": None}
+    with pytest.raises(ConfigError) as err:
+        check_validation_data(load_config(default_recipe("finetune"), over), str(data))
+    assert str(err.value).startswith(
+        f"callbacks.validation.heldout_fraction need the video latents of training.data.data_path, but '{data}' is a text-only dataset"
+    )
+    over.update({"callbacks.validation.heldout_fraction": 0.0, "callbacks.validation.heldout_data_path": str(data)})
+    with pytest.raises(ConfigError, match="heldout_data_path .* is a text-only dataset"):
+        check_validation_data(load_config(default_recipe("finetune"), over), str(data))
+    over.update({"callbacks.validation.heldout_data_path": None, "training.data.num_frames": 9, "training.data.num_height": 32,
+                 "training.data.num_width": 48})
+    cfg = load_config(default_recipe("finetune"), over)
+    check_validation_data(cfg, str(data))  # sample videos alone: no error
+    assert default_video_size(str(data), 8, 4, cfg=cfg) == (32, 48, 9)
     check_text_only_family(str(data), "wan", "tiny", "wan")
     with pytest.raises(ConfigError, match=r"the text-only dataset was encoded by 'tiny' \(wan family\), but the student is of the cosmos2 family"):
         check_text_only_family(str(data), "wan", "tiny", "cosmos2")
