@@ -421,10 +421,11 @@ def _latent_stats_from_dataset(cfg: RunConfig, data_path: str) -> None:
 
 def check_latent_stats(student: Any, cfg: RunConfig, data_path: str) -> None:
     """Never train on latents that are not normalised without saying so: a student without latent
-    statistics is an error naming the keys that give them."""
-    from fv_accel.data.schema import DATASET_INFO, read_dataset_info
+    statistics is an error naming the keys that give them (not for a text-only dataset: it holds no
+    latents to normalise)."""
+    from fv_accel.data.schema import DATASET_INFO, dataset_is_text_only, read_dataset_info
 
-    if getattr(student, "latents_mean", False) is not None:
+    if getattr(student, "latents_mean", False) is not None or dataset_is_text_only(data_path):
         return
     st = cfg.models.student
     source = getattr(student, "latent_statistics_source", "vae")
@@ -589,9 +590,30 @@ def _prepare_data_source(cfg: RunConfig, acc: Any) -> str:
     from fv_accel.user_data import follow_user_data
 
     follow_user_data(cfg, data_path, log=acc.is_main_process)
+    check_method_takes_data(cfg, data_path)
+    from fv_accel.validation import check_validation_data
+
+    check_validation_data(cfg, data_path)  # (before the student is built)
     check_dataset_family(cfg, data_path)
     _latent_stats_from_dataset(cfg, data_path)
     return data_path
+
+
+# Methods that noise the data's own latents: a text-only dataset (prompts alone) cannot feed them.
+METHODS_NEEDING_LATENTS = ("finetune", "dfsft", "tfsft")
+
+
+def check_method_takes_data(cfg: RunConfig, data_path: str) -> None:
+    """A method that trains on video latents (METHODS_NEEDING_LATENTS) refuses a text-only dataset
+    in one line, before the student is built."""
+    from fv_accel.data.schema import dataset_is_text_only
+
+    if cfg.method.name in METHODS_NEEDING_LATENTS and dataset_is_text_only(data_path):
+        raise ConfigError(
+            f"training.data.data_path '{cfg.training.data.data_path}' is a text-only dataset (prompts without video "
+            f"latents): method {cfg.method.name} trains on video latents; preprocess clips (python -m fv_accel.preprocess "
+            "--input ...) or use a method that rolls the student out from noise"
+        )
 
 
 def dataset_latent_space(data_path: str) -> tuple[Optional[str], Optional[str], str]:
@@ -640,17 +662,21 @@ def check_dataset_family(cfg: RunConfig, data_path: str) -> None:
     """The datasets (training.data.data_path and the mix) hold latents of a VAE the student's family
     takes: one encoded by another family's VAE (Wan latents for an LTX student) is refused, naming
     both families. Models of one family share their latent space (Wan 1.3B and 14B), so ids are not
-    compared; a dataset that records no encoding model, or a VAE no family names, is not checked."""
-    from fv_accel.data.schema import DATASET_INFO, local_dataset_path
+    compared; a dataset that records no encoding model, or a VAE no family names, is not checked. A
+    text-only dataset is checked by its family (check_text_only_family)."""
+    from fv_accel.data.schema import DATASET_INFO, dataset_is_text_only, local_dataset_path
     from fv_accel.models import FAMILIES, family_of
 
     student = family_of(cfg)
-    if not student.vae_class_names:
-        return
     known_vaes = {name for f in FAMILIES.values() for name in f.vae_class_names}
     paths = [data_path] + [local_dataset_path(entry["data_path"]) for entry in cfg.training.data.mix]
     for path in paths:
         family, vae_class, model = dataset_latent_space(path)
+        if dataset_is_text_only(path):
+            check_text_only_family(path, family, model, student.family)
+            continue
+        if not student.vae_class_names:
+            continue
         if vae_class in known_vaes:
             fits = vae_class in student.vae_class_names
         elif family in FAMILIES:
@@ -667,6 +693,22 @@ def check_dataset_family(cfg: RunConfig, data_path: str) -> None:
             "student's; preprocess the clips with the student's model (python -m fv_accel.preprocess --model ...) "
             "or train a student of the dataset's family"
         )
+
+
+def check_text_only_family(path: str, family: Optional[str], model: str, student_family: str) -> None:
+    """A text-only dataset holds text embeddings of its family's text encoder(s), which no other
+    family's transformer takes (two families may share a VAE, as Cosmos 2 and Wan do, but not their
+    text encoders): one of another family is refused, naming both; one that records none is not checked."""
+    from fv_accel.data.schema import DATASET_INFO
+
+    if family is None or family == student_family:
+        return
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    raise ConfigError(
+        f"{folder / DATASET_INFO}: the text-only dataset was encoded by '{model}' ({family} family), but the student "
+        f"is of the {student_family} family: its text embeddings are not of the student's text encoder; preprocess "
+        "the prompts with the student's model (python -m fv_accel.preprocess --prompts ... --model ...)"
+    )
 
 
 def _build_student_and_method(cfg: RunConfig, acc: Any) -> tuple[Any, Any]:

@@ -491,6 +491,7 @@ def largest_bucket(cfg: RunConfig, patch: tuple[int, int, int], channels: int) -
 
             try:
                 for p in [local] + [m["data_path"] for m in data.mix]:
+                    # (a text-only dataset has none: the rollout's shape is the recipe's num_* keys)
                     shapes += [tuple(s) for s in LatentDataset(p).latent_shapes]
                 temporal, spatial = vae_factors(local)
                 source = f"dataset {path}"
@@ -500,8 +501,9 @@ def largest_bucket(cfg: RunConfig, patch: tuple[int, int, int], channels: int) -
             temporal, spatial, vae = _vae_factors_of_model(cfg)
             wanted = wanted_latent_shape(data, temporal, spatial)
             if set(wanted) != {"T", "H", "W"}:
+                where = "holds no latents (text-only)" if local is not None and Path(local).exists() else "is not here"
                 raise EstimateUnavailable(
-                    "activations need the latent size: training.data.data_path is not here and "
+                    f"activations need the latent size: training.data.data_path {where} and "
                     "training.data.num_latent_t (or num_frames) / num_height / num_width are not all set"
                 )
             shapes = [(channels, wanted["T"][1], wanted["H"][1], wanted["W"][1])]

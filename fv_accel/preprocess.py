@@ -1,6 +1,7 @@
 """Preprocess real clips into the precomputed-latent dataset the trainer reads.
 
     python -m fv_accel.preprocess --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --input clips/ --output data/latents
+    python -m fv_accel.preprocess --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --prompts prompts.txt --output data/prompts
     accelerate launch -m fv_accel.preprocess --model ... --input ... --output ...   # clips sharded over processes
 
 Input: a folder of videos/images with a same-named .txt caption beside each; a CSV or JSONL
@@ -19,6 +20,10 @@ Nothing is lost to an interruption but the clip in flight: each encoded clip is 
 (atomically) to `.fv_pending/<key>.parquet`, where the key hashes the clip's bytes, its caption and
 the settings; a shard is assembled when its clips are done. A rerun reuses every row whose key it
 finds and encodes only the rest, so it ends with the same dataset as an uninterrupted run.
+
+Prompts-only mode (`--prompts prompts.txt|prompts.csv` instead of `--input`): a text-only dataset
+(FastVideo's `preprocessed_data_type: text_only`) for methods that roll the student out from noise:
+one row per prompt with the text columns alone, keyed, kept and resumed as clips' rows are.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ from fv_accel.data.schema import (
     PENDING_COMMAND,
     PENDING_DIR,
     SHARD_RE,
+    TEXT_ONLY,
     make_row,
+    make_text_row,
     tensor_columns,
     unconditional_text_metadata,
     write_dataset_info,
@@ -233,19 +240,25 @@ def _pick_column(columns: Sequence[str], wanted: Optional[str], candidates: Sequ
     )
 
 
-def _read_metadata(path: Path, encoding: str = "utf-8") -> tuple[list[str], list[dict]]:
+def _decode_text_file(path: Path, encoding: str = "utf-8") -> str:
+    """A metadata or prompts file's text; bytes not in `encoding` are an InputError naming the line."""
     import codecs
-    import io
 
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8-sig" if codecs.lookup(encoding).name == "utf-8" else encoding)
+        return raw.decode("utf-8-sig" if codecs.lookup(encoding).name == "utf-8" else encoding)
     except UnicodeDecodeError as err:
         line = raw[: err.start].count(b"\n") + 1
         raise InputError(
             f"{path} line {line}: not valid {encoding} (byte {raw[err.start:err.end].hex(' ')}); pass "
             "--caption_encoding with the file's encoding (e.g. latin-1), or save it as UTF-8"
         ) from None
+
+
+def _read_metadata(path: Path, encoding: str = "utf-8") -> tuple[list[str], list[dict]]:
+    import io
+
+    text = _decode_text_file(path, encoding)
     if path.suffix.lower() == ".csv":
         reader = csv.DictReader(io.StringIO(text, newline=""))
         rows = list(reader)
@@ -401,10 +414,14 @@ class PreprocessResult:
     output: Path
     input_form: str = ""
     num_processes: int = 1
+    # Prompts mode (a text-only dataset): what the prompts file held besides the prompts encoded.
+    prompts: Optional["PromptReport"] = None
 
     @property
     def summary(self) -> str:
-        return f"encoded {self.encoded}, skipped {self.skipped} (see {SKIPPED_FILE})"
+        if self.prompts is None:
+            return f"encoded {self.encoded}, skipped {self.skipped} (see {SKIPPED_FILE})"
+        return f"encoded {self.encoded} prompt(s) (text only), skipped {self.skipped} (see {SKIPPED_FILE}); {self.prompts.describe()}"
 
 
 @dataclass
@@ -722,11 +739,15 @@ class _EncodeJob:
             status, row = self._clip_row(clip, new_keys)
             if row is not None:
                 # The same bytes may sit under another name: the row takes this clip's name.
-                rows.append({**row, "id": clip.name, "file_name": clip.name})
+                rows.append({**row, **self.row_names(clip)})
             progress.update(1)
             if on_clip_done is not None:
                 on_clip_done(clip, status)
         return rows, new_keys
+
+    def row_names(self, clip: ClipSource) -> dict:
+        """The `id` and `file_name` of a clip's row."""
+        return {"id": clip.name, "file_name": clip.name}
 
     def _clip_row(self, clip: ClipSource, new_keys: list[str]) -> tuple[str, Optional[dict]]:
         """("encoded" | "reused" | "skipped", the clip's row or None)."""
@@ -791,14 +812,22 @@ class _EncodeJob:
                 stats_found = (config.get("latents_mean"), config.get("latents_std")) if config.get("latents_mean") else None
             else:  # nothing was encoded by this process: read the statistics, load nothing
                 stats_found = self.family.latent_statistics(self.model, self.revision)
-            result = _finish(
-                self.output, self.model, self.revision, self.sampling, num_shards, world_size, form, stats_found,
-                self.conditioning, self.spec, self.latent_space(),
-            )
+            result = _finish(self.output, num_shards, world_size, form, self.dataset_info(stats_found))
             result.seconds = time.perf_counter() - t0
         if world_size > 1:
             barrier()
         return result
+
+
+    def dataset_info(self, latent_stats: Optional[tuple]) -> dict:
+        """What fv_dataset.json records besides the row count and the captions cut."""
+        return {
+            "model": self.model,
+            "latent_stats": latent_stats,
+            **self.latent_space(),
+            "preprocessing": self.sampling.to_dict(),
+            **conditioning_info(self.spec, self.conditioning),
+        }
 
 
 def ensure_unconditional_text(output: Path, prompt: str, fingerprint: str, get_encoder: Callable[[], Any]) -> None:
@@ -810,20 +839,9 @@ def ensure_unconditional_text(output: Path, prompt: str, fingerprint: str, get_e
         write_unconditional_text(output, columns, prompt=prompt, fingerprint=fingerprint)
 
 
-def _finish(
-    output: Path,
-    model: str,
-    revision: Optional[str],
-    sampling: FrameSampling,
-    num_shards: int,
-    world_size: int,
-    form: str,
-    latent_stats: Optional[tuple] = None,
-    conditioning: Sequence[str] = ("text",),
-    spec: Any = None,
-    latent_space: Optional[dict] = None,
-) -> PreprocessResult:
-    """Main process, after every process is done: skipped.jsonl, stale files, fv_dataset.json."""
+def _finish(output: Path, num_shards: int, world_size: int, form: str, info: dict) -> PreprocessResult:
+    """Main process, after every process is done: skipped.jsonl, stale files, fv_dataset.json
+    (`info`, the job's dataset_info, with the row count and the captions cut)."""
     import pyarrow.parquet as pq
 
     pending = output / PENDING_DIR
@@ -854,16 +872,7 @@ def _finish(
     for f in pending.iterdir():
         f.unlink()
     pending.rmdir()
-    write_dataset_info(
-        output,
-        model=model,
-        latent_stats=latent_stats,
-        **(latent_space or {}),
-        preprocessing=sampling.to_dict(),
-        num_rows=encoded,
-        **conditioning_info(spec, conditioning),
-        **captions_cut,
-    )
+    write_dataset_info(output, **info, num_rows=encoded, **captions_cut)
     return PreprocessResult(encoded, len(skipped), newly, reused, 0.0, output, form, world_size)
 
 
@@ -946,6 +955,237 @@ def conditioning_info(spec: Any, conditioning: Sequence[str]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# Prompts: a text-only dataset (FastVideo's `preprocessed_data_type: text_only`)
+# --------------------------------------------------------------------------------------------
+
+PROMPT_COLUMNS = ("caption", "prompt")
+PROMPT_TABLES = (".csv", ".jsonl")
+EXPECTED_PROMPTS = (
+    "expected a text file with one prompt per non-empty line, or a CSV (or JSONL) file with a "
+    f"{' or '.join(repr(c) for c in PROMPT_COLUMNS)} column"
+)
+
+
+@dataclass
+class PromptReport:
+    """What a prompts file held besides its prompts: blank lines (a text file's, not prompts) and
+    prompts repeating an earlier one's text as the model encodes it (each kept as a row of its own,
+    so it is drawn as often as it is listed; encoded once)."""
+
+    blank_lines: int = 0
+    duplicates: list[tuple[str, str]] = field(default_factory=list)  # (name, name of its first occurrence)
+
+    def describe(self) -> str:
+        dup = f"{len(self.duplicates)} duplicate prompt(s) kept, each a row of its own"
+        if self.duplicates:
+            name, first = self.duplicates[0]
+            dup += f" (first: {name} repeats {first})"
+        return f"{dup}; {self.blank_lines} blank line(s) ignored"
+
+    def to_dict(self) -> dict:
+        return {
+            "blank_lines": self.blank_lines,
+            "duplicates": len(self.duplicates),
+            "first_duplicates": [{"row": name, "repeats": first} for name, first in self.duplicates[:10]],
+        }
+
+
+def _prompt_problem(prompt: Any) -> Optional[tuple[str, str]]:
+    if prompt is None:
+        return ("missing_prompt", "no prompt in this row")
+    if not isinstance(prompt, str):
+        return ("missing_prompt", f"the prompt is a {type(prompt).__name__}, not text")
+    if not prompt.strip():
+        return ("empty_prompt", "the prompt is empty")
+    return None
+
+
+def list_prompts(
+    path: Union[str, Path], caption_column: Optional[str] = None, caption_encoding: str = "utf-8"
+) -> tuple[list[ClipSource], str, PromptReport]:
+    """The prompts of a file, in file order, as ClipSources (no clip: `caption` is the prompt, `name`
+    '<file> line N' or '<file> row N'), the form the file was read as, and its blank lines. A text
+    file holds one prompt per non-empty line; a CSV or JSONL file one per row, in its `caption` or
+    `prompt` column (`caption_column` names another); an empty cell is a prompt skipped, with its reason."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"--prompts {p}: {'a folder, not a file' if p.is_dir() else 'no such file'}; {EXPECTED_PROMPTS}")
+    if p.suffix.lower() in PROMPT_TABLES:
+        columns, rows = _read_metadata(p, caption_encoding)
+        column = _pick_column(columns, caption_column, PROMPT_COLUMNS, "prompt", str(p))
+        if not rows:
+            raise InputError(f"{p}: no rows; {EXPECTED_PROMPTS}")
+        prompts = [
+            ClipSource(i, f"{p.name} row {i + 1}", caption=row.get(column), problem=_prompt_problem(row.get(column)))
+            for i, row in enumerate(rows)
+        ]
+        return prompts, f"{p.suffix.lower()[1:].upper()} file of prompts (column '{column}')", PromptReport()
+    prompts, blank = [], 0
+    for n, line in enumerate(_decode_text_file(p, caption_encoding).splitlines(), 1):
+        if line.strip():
+            prompts.append(ClipSource(len(prompts), f"{p.name} line {n}", caption=line.strip()))
+        else:
+            blank += 1
+    if not prompts:
+        raise InputError(f"{p}: no prompts ({blank} blank line(s)); {EXPECTED_PROMPTS}")
+    return prompts, "text file of prompts", PromptReport(blank_lines=blank)
+
+
+def find_duplicate_prompts(prompts: Sequence[ClipSource], pipeline_prompt: Callable[[str], str]) -> list[tuple[str, str]]:
+    """(name, name of the first prompt of the same text) of each prompt whose text, as the model
+    encodes it (`pipeline_prompt`: the family's cleaning), an earlier prompt has."""
+    first: dict[str, str] = {}
+    found = []
+    for prompt in prompts:
+        if prompt.problem is None:
+            text = pipeline_prompt(prompt.caption.strip())
+            if text in first:
+                found.append((prompt.name, first[text]))
+            else:
+                first[text] = prompt.name
+    return found
+
+
+def prompts_fingerprint(model: str, revision: Optional[str], dtype: torch.dtype, text_max_length: int) -> str:
+    """The settings a text-only row depends on (its key hashes them with the prompt)."""
+    settings = {"v": SETTINGS_VERSION, "data": "text_only", "model": model, "revision": revision,
+                "dtype": str(dtype).replace("torch.", ""), "text_max_length": text_max_length}
+    return json.dumps(settings, sort_keys=True)
+
+
+class _PromptJob(_EncodeJob):
+    """One process's encoding of prompts into text-only rows (the text columns, no latent): a row's
+    key hashes the prompt as the model encodes it and the settings, and rows are kept, reused and
+    assembled into shards as clips' are (`_EncodeJob`)."""
+
+    def __init__(self, model: str, revision: Optional[str], output: Path, device: torch.device, dtype: torch.dtype,
+                 family: Any, spec: Any, encoder: Any, source: Path, report: PromptReport):
+        import dataclasses
+
+        from fv_accel.models.encoders import TEXT_MAX_LENGTH
+
+        # The text alone: an image-to-video model's image encoders are not loaded.
+        spec = dataclasses.replace(spec, conditioning=("text",)) if dataclasses.is_dataclass(spec) else spec
+        super().__init__(model, revision, FrameSampling(), output, device, dtype, False, family, spec, encoder)
+        self.conditioning = ("text",)
+        self.fingerprint = prompts_fingerprint(model, revision, dtype, TEXT_MAX_LENGTH)
+        self.source, self.prompt_report = source, report
+        self.seen: set[str] = set()  # keys of this process's rows so far (a repeat is a duplicate)
+
+    def row_names(self, clip: ClipSource) -> dict:
+        return {"id": clip.name, "file_name": self.source.name}
+
+    def _clip_row(self, clip: ClipSource, new_keys: list[str]) -> tuple[str, Optional[dict]]:
+        """("encoded" | "reused" | "duplicate" | "skipped", the prompt's row or None)."""
+        if clip.problem is not None:
+            self.stats.skipped.append((clip.index, clip.name, *clip.problem))
+            return "skipped", None
+        prompt = clip.caption.strip()
+        key = clip_key(TEXT_ONLY, self.pipeline_prompt(prompt), self.fingerprint)
+        row = self.store.get(key) if key in self.store else None
+        status = "duplicate" if key in self.seen else "reused"
+        self.seen.add(key)
+        if row is not None:
+            self.stats.reused += status == "reused"
+            return status, row
+        row = self.encode_prompt(prompt, key)
+        write_rows([row], self.pending / f"{key}.parquet")  # at once: an interruption loses one prompt
+        self.store.where[key] = (self.pending / f"{key}.parquet", 0)
+        new_keys.append(key)
+        self.stats.newly_encoded += 1
+        return "encoded", row
+
+    def encode_prompt(self, prompt: str, key: str) -> dict:
+        enc = self.get_encoder()
+        t = time.perf_counter()
+        columns = dict(enc.encode_caption(prompt))
+        text = columns.pop("text_embedding")
+        note_caption_length(self.pending / f"{CAPTION_TOKENS_PENDING}{self.rank}.jsonl", key, enc, prompt)
+        extra = {}
+        for name, value in columns.items():  # the family's other text columns (pooled, a second encoder's)
+            extra.update(tensor_columns(name, value))
+        self.stats.encode_seconds += time.perf_counter() - t
+        return make_text_row(
+            sample_id=key, text_embedding=text, caption=self.pipeline_prompt(prompt), file_name=self.source.name, fv_key=key, **extra
+        )
+
+    def dataset_info(self, latent_stats: Optional[tuple]) -> dict:
+        from fv_accel.models.encoders import TEXT_MAX_LENGTH
+
+        info = {
+            "model": self.model,
+            "latent_stats": latent_stats,  # the model's VAE's, for a student that has none
+            "preprocessed_data_type": TEXT_ONLY,
+            **self.latent_space(),
+            "revision": self.revision,
+            "text_encoder": {"dtype": str(self.dtype).replace("torch.", ""), "max_length": TEXT_MAX_LENGTH},
+            "prompts": {"file": self.source.name, **self.prompt_report.to_dict()},
+            **conditioning_info(self.spec, self.conditioning),
+        }
+        return info
+
+    def report(self, rank: int, world_size: int, barrier: Optional[Callable[[], None]], num_shards: int, form: str, t0: float) -> PreprocessResult:
+        result = super().report(rank, world_size, barrier, num_shards, form, t0)
+        result.prompts = self.prompt_report
+        return result
+
+
+def preprocess_prompts(
+    model: str,
+    prompts: Union[str, Path],
+    output: Union[str, Path],
+    *,
+    revision: Optional[str] = None,
+    caption_column: Optional[str] = None,
+    shard_size: int = 256,
+    device: Optional[torch.device] = None,
+    dtype: Optional[torch.dtype] = None,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Optional[Callable[[], None]] = None,
+    on_prompt_done: Optional[Callable[[ClipSource, str], None]] = None,
+    encoder: Any = None,
+    caption_encoding: str = "utf-8",
+    command: Optional[str] = None,
+) -> PreprocessResult:
+    """Encode the prompts of a file (`list_prompts`) with the model's text encoder(s) into a
+    text-only dataset in `output`: one row per prompt (`id` '<file> line N', the text columns,
+    `caption`), fv_dataset.json with `preprocessed_data_type: text_only`, the unconditional text,
+    skipped.jsonl (empty prompts of a CSV). Resumable and shardable over processes as `preprocess`.
+    Duplicates and blank lines are counted in the result's `prompts` and in fv_dataset.json."""
+    t0 = time.perf_counter()
+    if shard_size < 1:
+        raise ValueError(f"shard_size: expected an integer >= 1, got {shard_size}")
+    if world_size > 1 and barrier is None:
+        raise ValueError("preprocess_prompts: several processes need a barrier (e.g. PartialState().wait_for_everyone)")
+    output = Path(output)
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    items, form, report = list_prompts(prompts, caption_column, caption_encoding)
+    family, spec = _probe_model(model, revision, encoder)
+    check_output_writable(output)
+    job = _PromptJob(model, revision, output, device, dtype, family, spec, encoder, Path(prompts), report)
+    report.duplicates = find_duplicate_prompts(items, job.pipeline_prompt)
+    job.start(rank, command)
+    num_shards = max(1, math.ceil(len(items) / shard_size))
+    if rank == 0:
+        logger.info("preprocessing %d prompt(s) from %s (%s) on %d process(es)", len(items), prompts, form, world_size)
+        if report.duplicates:
+            logger.warning("%d prompt(s) repeat an earlier one (first: %s repeats %s): each kept as a row of its own",
+                           len(report.duplicates), *report.duplicates[0])
+    from fv_accel.process import progress_bar
+
+    my_shards = [s for s in range(num_shards) if s % world_size == rank]
+    progress = progress_bar(sum(len(items[s * shard_size : (s + 1) * shard_size]) for s in my_shards),
+                            "preprocess prompts", show=rank == 0, unit="prompt")
+    for s in my_shards:
+        rows, new_keys = job.encode_shard(items[s * shard_size : (s + 1) * shard_size], progress, on_prompt_done)
+        job.write_shard(s, num_shards, rows, new_keys)
+    progress.close()
+    return job.report(rank, world_size, barrier, num_shards, form, t0)
+
+
+# --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
 
@@ -957,10 +1197,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m fv_accel.preprocess",
         formatter_class=DefaultsHelpFormatter,
         description="Encode clips and captions into FastVideo-schema Parquet latents (run under "
-        "`accelerate launch` to shard the clips over processes).",
+        "`accelerate launch` to shard the clips over processes).\n\nPrompts-only mode (--prompts instead of "
+        "--input): encode prompts alone into a text-only dataset\n(text embeddings, no video latents; "
+        "preprocessed_data_type text_only) for methods that roll the student out from noise.",
     )
     p.add_argument("--model", required=True, help="Hub id or local folder with vae/, text_encoder/, tokenizer/")
-    p.add_argument("--input", required=True, help="folder of clips + .txt captions, CSV/JSONL metadata, or HF dataset folder/id")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", help="folder of clips + .txt captions, CSV/JSONL metadata, or HF dataset folder/id")
+    source.add_argument(
+        "--prompts",
+        help="prompts-only mode: a text file (one prompt per non-empty line) or a CSV/JSONL file with a 'caption' "
+        "or 'prompt' column (--caption_column names another) -> a text-only dataset; the clip options are not used",
+    )
     p.add_argument("--output", required=True, help="output folder (rerun into the same folder to resume)")
     p.add_argument("--num_frames", default="81", help="frames per clip, 4k+1; a list (33,81) takes the longest a clip can fill")
     g = p.add_mutually_exclusive_group()
@@ -973,7 +1221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--caption_column", default=None, help="metadata/dataset column of the captions (default: found by its name)")
     p.add_argument("--split", default="train", help="split of a Hugging Face dataset")
     p.add_argument("--revision", default=None, help="revision (branch, tag, commit) of a Hub --model (default: main)")
-    p.add_argument("--shard_size", type=int, default=32, help="clips per Parquet shard")
+    p.add_argument("--shard_size", type=int, default=None, help="clips per Parquet shard (default 32; prompts: 256)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--vae_tiling", action="store_true", help="encode in spatial tiles (less memory at high resolution)")
     p.add_argument(
@@ -1018,6 +1266,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), timeout=timedelta(hours=12))
     logging.basicConfig(level=logging.INFO if state.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    command = shlex.join(["python", "-m", "fv_accel.preprocess", *(sys.argv[1:] if argv is None else argv)])
+    if args.prompts is not None:
+        return _main_prompts(args, state, dtype, command)
     try:
         result = preprocess(
             args.model,
@@ -1028,7 +1279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             video_column=args.video_column,
             caption_column=args.caption_column,
             split=args.split,
-            shard_size=args.shard_size,
+            shard_size=32 if args.shard_size is None else args.shard_size,
             device=state.device,
             dtype=dtype,
             vae_tiling=args.vae_tiling,
@@ -1036,7 +1287,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             world_size=state.num_processes,
             barrier=state.wait_for_everyone,
             caption_encoding=args.caption_encoding,
-            command=shlex.join(["python", "-m", "fv_accel.preprocess", *(sys.argv[1:] if argv is None else argv)]),
+            command=command,
         )
     except (InputError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -1050,6 +1301,42 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(result.summary)
         if result.encoded == 0:
             print(f"error: no clip could be encoded; see {Path(args.output) / SKIPPED_FILE}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _main_prompts(args: argparse.Namespace, state: Any, dtype: Optional[torch.dtype], command: str) -> int:
+    """`--prompts`: a text-only dataset from a prompts file; the summary line on the main process."""
+    from fv_accel.models.loading import ModelLoadError
+
+    try:
+        result = preprocess_prompts(
+            args.model,
+            args.prompts,
+            args.output,
+            revision=args.revision,
+            caption_column=args.caption_column,
+            shard_size=256 if args.shard_size is None else args.shard_size,
+            device=state.device,
+            dtype=dtype,
+            rank=state.process_index,
+            world_size=state.num_processes,
+            barrier=state.wait_for_everyone,
+            caption_encoding=args.caption_encoding,
+            command=command,
+        )
+    except (InputError, ModelLoadError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if state.is_main_process:
+        rate = result.newly_encoded / result.seconds if result.seconds > 0 else 0.0
+        print(
+            f"{result.input_form}: {result.newly_encoded} prompt(s) encoded now, {result.reused} reused from "
+            f"earlier runs, on {result.num_processes} process(es) in {result.seconds:.1f}s ({rate:.2f} prompts/s)"
+        )
+        print(result.summary)
+        if result.encoded == 0:
+            print(f"error: no prompt could be encoded; see {Path(args.output) / SKIPPED_FILE}", file=sys.stderr)
             return 1
     return 0
 

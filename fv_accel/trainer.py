@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from fv_accel.data.loader import NONFINITE_MARK, describe_samples, latent_tokens
+from fv_accel.data.loader import NONFINITE_MARK, describe_samples
 
 logger = logging.getLogger(__name__)
 
@@ -665,8 +665,8 @@ class Trainer:
             out.loss_sums[name] = out.loss_sums.get(name, 0.0) + value.detach().float() / k
         for name, value in metrics.items():
             out.metric_sums[name] = out.metric_sums.get(name, 0.0) + torch.as_tensor(value).detach().float() / k
-        out.samples += batch["vae_latent"].shape[0]
-        out.tokens += batch["vae_latent"].shape[0] * latent_tokens(batch["vae_latent"].shape[1:])
+        out.samples += len(batch["sample_index"])  # (a text-only batch has no vae_latent)
+        out.tokens += self.dataloader.batch_tokens(batch)
 
     def _after_engine_step(self, out: "StepOutcome", loop: "LoopSettings") -> None:
         """DeepSpeed's sync: the engine stepped inside backward (unless a fault kept it out)."""

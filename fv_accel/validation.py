@@ -562,11 +562,18 @@ def prompt_columns(columns: dict[str, torch.Tensor], text_max_length: int) -> di
 TEXT_SEQUENCE_MASKS = {"text_embedding": "text_attention_mask", "text_embedding_2": "text_attention_mask_2"}
 
 
-def default_video_size(data_path: str, spatial: int = 8, temporal: int = 4) -> tuple[int, int, int]:
-    """(height, width, frames) of the first training clip, from its latent shape."""
-    from fv_accel.data.loader import LatentDataset
+def default_video_size(data_path: str, spatial: int = 8, temporal: int = 4, cfg: Any = None) -> tuple[int, int, int]:
+    """(height, width, frames) of the first training clip, from its latent shape; for a text-only
+    dataset (no clip), the rollout's (`cfg`'s training.data.num_* keys, rollout_latent_shape)."""
+    from fv_accel.data.loader import LatentDataset, rollout_latent_shape
 
-    c, t, h, w = LatentDataset(data_path).latent_shapes[0]
+    dataset = LatentDataset(data_path)
+    if dataset.text_only:
+        if cfg is None:
+            raise ValueError(f"'{data_path}' is a text-only dataset: the sample size needs the recipe's training.data.num_* keys")
+        c, t, h, w = rollout_latent_shape(cfg, 1, data_path)
+    else:
+        c, t, h, w = dataset.latent_shapes[0]
     return h * spatial, w * spatial, (t - 1) * temporal + 1
 
 
@@ -693,7 +700,7 @@ class VideoSamplingCallback(TrainerCallback):
         height, width, frames = val.height, val.width, val.num_frames
         self.model_source = sampling_model_source(cfg, data_path)
         if None in (height, width, frames) and data_path:
-            dh, dw, df = default_video_size(data_path, *vae_scale_factors(self.model_source))
+            dh, dw, df = default_video_size(data_path, *vae_scale_factors(self.model_source), cfg=cfg)
             height, width, frames = height or dh, width or dw, frames or df
         defaults = dict(
             negative_prompt=val.negative_prompt,
@@ -965,6 +972,31 @@ class VideoSamplingCallback(TrainerCallback):
         return paths
 
 
+def check_validation_data(cfg: Any, data_path: str) -> None:
+    """What validation needs of the training data's video latents (the held-out loss noises them;
+    samples/distance decodes them): refused in one line on a text-only dataset."""
+    from fv_accel.config import ConfigError
+    from fv_accel.data.schema import dataset_is_text_only
+
+    val = cfg.callbacks.validation
+    if not val.enable:
+        return
+    if val.heldout_data_path and val.heldout_data_path != "tiny" and dataset_is_text_only(val.heldout_data_path):
+        raise ConfigError(
+            f"callbacks.validation.heldout_data_path '{val.heldout_data_path}' is a text-only dataset (prompts without "
+            "video latents): the held-out loss noises video latents; give a dataset preprocessed from videos"
+        )
+    split = val.heldout_fraction > 0 and not val.heldout_data_path  # rows held out of the training data
+    asks = [key for key, on in (("heldout_fraction", split), ("distance_clips", val.distance_clips > 0)) if on]
+    if not asks or not data_path or not dataset_is_text_only(data_path):
+        return
+    raise ConfigError(
+        f"callbacks.validation.{' and '.join(asks)} need the video latents of training.data.data_path, but "
+        f"'{cfg.training.data.data_path}' is a text-only dataset (prompts without video latents): set "
+        f"{' and '.join(f'callbacks.validation.{key} 0' for key in asks)} (a held-out loss can use heldout_data_path, a dataset preprocessed from videos)"
+    )
+
+
 def build_validation_callbacks(
     cfg: Any, data_path: str, ema: Any = None, accelerator: Any = None
 ) -> list[TrainerCallback]:
@@ -972,6 +1004,7 @@ def build_validation_callbacks(
     val = cfg.callbacks.validation
     if not val.enable:
         return []
+    check_validation_data(cfg, data_path)
     callbacks: list[TrainerCallback] = []
     if val.heldout_fraction > 0 or val.heldout_data_path:
         callbacks.append(HeldoutLossCallback(cfg, data_path, resolve_heldout_path(cfg, accelerator)))

@@ -38,11 +38,14 @@ def _shape_problem(shape: Any, column: str, expected: str, ndims: Sequence[int])
 UNCHECKED = -1
 
 
-def _row_problem(latent: tuple, text: tuple) -> Optional[str]:
-    """latent / text: (shape, dtype, number of bytes, or UNCHECKED) of one row."""
-    problem = _shape_problem(latent[0], "vae_latent_shape", "[C, T, H, W]", (4,))
-    if problem is None and min(int(s) for s in latent[0]) < 1:
-        problem = f"vae_latent_shape {list(latent[0])}: the latent is empty"
+def _row_problem(latent: Optional[tuple], text: tuple) -> Optional[str]:
+    """latent / text: (shape, dtype, number of bytes, or UNCHECKED) of one row; latent None for a
+    row of a text-only dataset."""
+    problem = None
+    if latent is not None:
+        problem = _shape_problem(latent[0], "vae_latent_shape", "[C, T, H, W]", (4,))
+        if problem is None and min(int(s) for s in latent[0]) < 1:
+            problem = f"vae_latent_shape {list(latent[0])}: the latent is empty"
     if problem is None:
         problem = _shape_problem(text[0], "text_embedding_shape", "[L, D] (or [1, L, D])", (2, 3))
     if problem is None and len(text[0]) == 3 and int(text[0][0]) != 1:
@@ -52,8 +55,9 @@ def _row_problem(latent: tuple, text: tuple) -> Optional[str]:
             f"text_embedding_shape {list(text[0])}: the text embedding is empty (it would train on zeros); "
             "encode the caption again (rerun preprocessing)"
         )
-    for column, (shape, dtype, nbytes) in (("vae_latent_bytes", latent), ("text_embedding_bytes", text)):
-        if problem is None:
+    for column, stored in (("vae_latent_bytes", latent), ("text_embedding_bytes", text)):
+        if problem is None and stored is not None:
+            shape, dtype, nbytes = stored
             if nbytes is None:
                 problem = f"{column} is missing (null)"
             elif nbytes == UNCHECKED:
@@ -83,10 +87,11 @@ def _dtype_problem(dtype: Any, column: str) -> Optional[str]:
 
 
 def check_stored_rows(dataset: Any) -> None:
-    """Every row's latent and text embedding must have a shape and dtype it can be read as, and (on
-    a dataset of at most BYTE_CHECK_LIMIT bytes) the bytes that shape and dtype take.
+    """Every row's latent (none in a text-only dataset) and text embedding must have a shape and
+    dtype it can be read as, and (on a dataset of at most BYTE_CHECK_LIMIT bytes) the bytes that
+    shape and dtype take.
 
-    `dataset`: a `LatentDataset` (its `rows`, `describe`)."""
+    `dataset`: a `LatentDataset` (its `rows`, `describe`, `text_only`)."""
     rows = dataset.rows
 
     def columns(prefix: str) -> list[tuple]:
@@ -98,13 +103,14 @@ def check_stored_rows(dataset: Any) -> None:
     # Rows of a dataset share few (shape, dtype, length) combinations: each is judged once.
     judged: dict[tuple, Optional[str]] = {}
 
-    def problem(lat: tuple, txt: tuple) -> Optional[str]:
-        key = tuple(tuple(v) if isinstance(v, list) else v for v in (*lat, *txt))
+    def problem(lat: Optional[tuple], txt: tuple) -> Optional[str]:
+        key = tuple(tuple(v) if isinstance(v, list) else v for v in (*(lat or ()), *txt))
         if key not in judged:
             judged[key] = _row_problem(lat, txt)
         return judged[key]
 
-    latents, texts = columns("vae_latent"), columns("text_embedding")
+    texts = columns("text_embedding")
+    latents = [None] * len(texts) if dataset.text_only else columns("vae_latent")
     _first_problem(((i, problem(lat, txt)) for i, (lat, txt) in enumerate(zip(latents, texts))), dataset.describe)
 
 
@@ -118,13 +124,18 @@ def check_fits_model(
 ) -> None:
     """What the transformer can take: latent channels (`in_channels`), text width (`text_dim`),
     latent frames/height/width divisible by its patch (`patch_size`), and a DFSFT chunk no longer
-    than the clip. `dataset`: a LatentDataset, or a ConcatLatentDataset of several (`parts`)."""
+    than the clip. `dataset`: a LatentDataset, or a ConcatLatentDataset of several (`parts`). The
+    rows of a text-only dataset have no latent: their text width alone is checked."""
     from fv_accel.config import ConfigError
 
     parts = getattr(dataset, "parts", None) or [dataset]
     for part in parts:
         text_shapes = getattr(part, "text_shapes", None)
         describe = getattr(part, "describe", None) or (lambda i, p=part: f"{p.data_path} row {i}")
+        if getattr(part, "text_only", False):
+            for i in range(len(text_shapes or [])):
+                _check_text_width(describe(i), text_shapes[i], text_dim)
+            continue
         for i, shape in enumerate(part.latent_shapes):
             where = describe(i)
             if len(shape) != 4:
@@ -147,9 +158,16 @@ def check_fits_model(
                     f"method.chunk_size ({chunk_size}) is larger than the latent frame count ({shape[1]}) of "
                     f"{where} (shape {list(shape)}); use a chunk size <= {shape[1]} or longer clips"
                 )
-            if text_dim is not None and text_shapes is not None and int(text_shapes[i][-1]) != text_dim:
-                raise ConfigError(
-                    f"{where}: text embeddings are {text_shapes[i][-1]} wide (text_embedding_shape "
-                    f"{list(text_shapes[i])}) but the student transformer takes {text_dim} (text_dim); "
-                    "encode the captions with the model's own text encoder"
-                )
+            if text_shapes is not None:
+                _check_text_width(where, text_shapes[i], text_dim)
+
+
+def _check_text_width(where: str, text_shape: Sequence[int], text_dim: Optional[int]) -> None:
+    from fv_accel.config import ConfigError
+
+    if text_dim is not None and int(text_shape[-1]) != text_dim:
+        raise ConfigError(
+            f"{where}: text embeddings are {text_shape[-1]} wide (text_embedding_shape "
+            f"{list(text_shape)}) but the student transformer takes {text_dim} (text_dim); "
+            "encode the captions with the model's own text encoder"
+        )

@@ -67,8 +67,10 @@ def report(path: str, *, batch_size: int = 1, num_processes: int = 1, grad_accum
     )
     tensors = [c[: -len("_bytes")] for c in rows.column_names if c.endswith("_bytes")]
     lines.append(f"tensor columns: {', '.join(tensors)}")
+    if ds.text_only:
+        lines.append("text-only dataset (preprocessed_data_type text_only): prompts without video latents")
     lines.append("dtypes:")
-    for name in ("vae_latent", "text_embedding"):
+    for name in ("text_embedding",) if ds.text_only else ("vae_latent", "text_embedding"):
         counts = Counter(rows.columns[f"{name}_dtype"])
         lines.append(f"  {name}: " + ", ".join(f"{d} x {n}" for d, n in counts.most_common()))
     channels = sorted({s[0] for s in ds.latent_shapes})

@@ -24,8 +24,12 @@ from fv_accel.data.schema import (
     TEXT_COLUMNS,
     DATASET_INFO,
     REQUIRED_COLUMNS,
+    TEXT_EMBEDDING_COLUMNS,
+    TEXT_ONLY,
     UNCONDITIONAL_FILE,
     bytes_to_tensor,
+    columns_are_text_only,
+    dataset_is_text_only,
     local_dataset_path,
     parquet_files,
     read_dataset_info,
@@ -46,7 +50,10 @@ class LatentDataset(Dataset):
 
     Opening reads the files' footers and the small columns (id, shapes, dtypes) with pyarrow, in
     place: nothing is copied or written. A row's tensors are read with its row group when the row is
-    asked for (fv_accel/data/parquet_rows.py)."""
+    asked for (fv_accel/data/parquet_rows.py).
+
+    A text-only dataset (rows without the VAE latent columns, `preprocessed_data_type` 'text_only')
+    loads too: its items have the text columns and no `vae_latent`, and its rows are one bucket."""
 
     def __init__(self, data_path: str, *, text_max_length: int = TEXT_MAX_LENGTH, cfg_rate: float = 0.0, seed: int = 0):
         from fv_accel.data import checks
@@ -62,11 +69,14 @@ class LatentDataset(Dataset):
         self.file_starts = self.rows.file_starts
         if len(self.rows) == 0:
             raise ValueError(f"{self.data_path}: the dataset is empty (0 rows in {len(self.files)} Parquet file(s))")
-        missing = [c for c in REQUIRED_COLUMNS if c not in self.rows.column_names]
+        # No VAE latent columns at all: prompts for a rollout from noise (the text columns are required).
+        self.text_only = columns_are_text_only(self.rows.column_names)
+        required = TEXT_EMBEDDING_COLUMNS if self.text_only else REQUIRED_COLUMNS
+        missing = [c for c in required if c not in self.rows.column_names]
         if missing:
             raise ValueError(
                 f"{self.data_path}: missing column(s) {', '.join(missing)}; expected FastVideo's schema "
-                f"({', '.join(REQUIRED_COLUMNS)})"
+                f"({', '.join(required)})"
             )
         recorded = read_dataset_info(self.data_path).get("num_rows") if Path(self.data_path).is_dir() else None
         if recorded is not None and int(recorded) != len(self.rows):
@@ -77,7 +87,8 @@ class LatentDataset(Dataset):
             )
         self.ids = self.rows.columns.get("id")
         checks.check_stored_rows(self)
-        self.latent_shapes = [tuple(int(v) for v in s) for s in self.rows.columns["vae_latent_shape"]]
+        latent_shapes = [] if self.text_only else self.rows.columns["vae_latent_shape"]
+        self.latent_shapes = [tuple(int(v) for v in s) for s in latent_shapes]
         self.text_shapes = [tuple(int(v) for v in s) for s in self.rows.columns["text_embedding_shape"]]
         # Image-to-video columns this dataset has (read into the batch where a row holds them).
         self.conditioning_columns = [c for c in CONDITIONING_COLUMNS if f"{c}_bytes" in self.rows.column_names]
@@ -109,6 +120,14 @@ class LatentDataset(Dataset):
             )
         return columns
 
+    @property
+    def preprocessed_data_type(self) -> str:
+        """FastVideo's name of what the rows hold: 'text_only' (prompts), 'i2v' (clips with the
+        first-frame columns) or 't2v' (clips)."""
+        if self.text_only:
+            return TEXT_ONLY
+        return "i2v" if "first_frame_latent" in self.conditioning_columns else "t2v"
+
     def describe(self, index: int) -> str:
         """Where row `index` lives, for messages: '<file> row <row in file> (id <id>)'."""
         k = bisect.bisect_right(self.file_starts, int(index)) - 1
@@ -118,15 +137,16 @@ class LatentDataset(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def bucket_key(self, i: int) -> tuple[int, int, int]:
-        return self.latent_shapes[i][1:]  # (T, H, W)
+    def bucket_key(self, i: int) -> tuple[int, ...]:
+        # (T, H, W); the rows of a text-only dataset share one bucket (the rollout's shape is the recipe's).
+        return () if self.text_only else self.latent_shapes[i][1:]
 
     def __getitem__(self, key: Any) -> dict:
         index, epoch, position = key if isinstance(key, tuple) else (key, 0, 0)
         row = self.rows.row(int(index))
         source = self.describe(int(index))
         where = f"{source}: "
-        latent = _stored_tensor(row, "vae_latent", where)
+        latent = None if self.text_only else _stored_tensor(row, "vae_latent", where).float()
         text = _stored_tensor(row, "text_embedding", where).float()
         if text.ndim == 3 and text.shape[0] == 1:
             text = text[0]
@@ -152,9 +172,7 @@ class LatentDataset(Dataset):
             )
             if torch.rand((), generator=g).item() < self.cfg_rate:
                 padded, mask, texts = self._dropped_text(texts)
-        latent = latent.float()
         item = {
-            "vae_latent": latent,
             "text_embedding": padded,
             "text_attention_mask": mask,
             "caption": row.get("caption", "") or "",
@@ -164,10 +182,12 @@ class LatentDataset(Dataset):
             # Named in the trainer's warning when a step is skipped for a non-finite loss. A sum is
             # non-finite when any value is NaN or infinite, and costs one pass over the tensor.
             "source": source,
-            "nonfinite": not (bool(torch.isfinite(latent.sum())) and bool(torch.isfinite(text.sum()))),
+            "nonfinite": not all(bool(torch.isfinite(t.sum())) for t in (latent, text, *texts.values()) if t is not None),
         }
+        if latent is not None:
+            item["vae_latent"] = latent
         item.update(texts)
-        for name in self.conditioning_columns:
+        for name in self.conditioning_columns if latent is not None else ():
             value = read_tensor_column(row, name, where=where)
             if value is not None:
                 item[name] = conditioning_tensor(name, value, tuple(latent.shape), where)
@@ -264,11 +284,11 @@ def conditioning_tensor(name: str, value: torch.Tensor, latent_shape: tuple, whe
 
 
 def collate(items: list[dict]) -> dict:
-    shapes = {tuple(it["vae_latent"].shape) for it in items}
+    """One batch of items: a text-only dataset's have no `vae_latent` (nor has their batch)."""
+    shapes = {tuple(it["vae_latent"].shape) if "vae_latent" in it else None for it in items}
     if len(shapes) != 1:
-        raise RuntimeError(f"a batch mixes latent shapes {sorted(shapes)} (bucketing bug)")
+        raise RuntimeError(f"a batch mixes latent shapes {sorted(shapes, key=str)} (bucketing bug)")
     batch = {
-        "vae_latent": torch.stack([it["vae_latent"] for it in items]),
         "text_embedding": torch.stack([it["text_embedding"] for it in items]),
         "text_attention_mask": torch.stack([it["text_attention_mask"] for it in items]),
         "caption": [it["caption"] for it in items],
@@ -278,6 +298,8 @@ def collate(items: list[dict]) -> dict:
         "source": [it.get("source", "") for it in items],
         "nonfinite": [bool(it.get("nonfinite", False)) for it in items],
     }
+    if shapes != {None}:
+        batch["vae_latent"] = torch.stack([it["vae_latent"] for it in items])
     for name in (*CONDITIONING_LAYOUTS, "pooled_text_embedding", "text_embedding_2", "text_attention_mask_2"):
         holders = [it["sample_index"] for it in items if name in it]
         if len(holders) == len(items):
@@ -474,7 +496,22 @@ class TrainLoader:
         self.pin_memory = torch.cuda.is_available()
         # Rows left out because their shape is not the one training.data.num_* ask for.
         self.off_shape_indices: list[int] = []
+        # Latent tokens of one sample of a text-only dataset's rollout (set by build_train_loader).
+        self.rollout_tokens = 0
         self._consumed = LoaderPosition(sampler.position.epoch, sampler.position.step_in_epoch)
+
+    @property
+    def preprocessed_data_type(self) -> str:
+        """The dataset's: 'text_only' (prompts), 't2v' or 'i2v' (LatentDataset.preprocessed_data_type)."""
+        return self.dataset.preprocessed_data_type
+
+    def batch_tokens(self, batch: dict) -> int:
+        """Latent tokens of a batch (for throughput figures): of its `vae_latent`, or for a text-only
+        batch of the recipe's rollout shape (`rollout_tokens`, 0 where the recipe gives none)."""
+        latent = batch.get("vae_latent")
+        if latent is None:
+            return len(batch["sample_index"]) * self.rollout_tokens
+        return latent.shape[0] * latent_tokens(latent.shape[1:])
 
     def num_training_rows(self) -> int:
         """Rows training draws from: the dataset's, less the held-out and off-shape ones."""
@@ -543,6 +580,9 @@ def build_train_loader(
     )
     loader = TrainLoader(dataset, sampler, num_workers=data.dataloader_num_workers)
     loader.off_shape_indices = list(off_shape)
+    rollout_keys = (data.num_latent_t or data.num_frames, data.num_height, data.num_width)
+    if dataset.text_only and None not in rollout_keys:
+        loader.rollout_tokens = latent_tokens(rollout_latent_shape(cfg, 1, path))
     return loader
 
 
@@ -588,6 +628,8 @@ def shape_filter_exclusions(dataset, data, *, log: bool = True) -> list[int]:
     """Rows whose latent shape differs from what `training.data.num_latent_t / num_frames /
     num_height / num_width` ask for (FastVideo recipes carry them): they are left out of training,
     with a warning counting them by shape; none left is an error naming the keys and the shapes found."""
+    if getattr(dataset, "text_only", False):
+        return []  # no latents: the keys give the rollout's shape (rollout_latent_shape)
     temporal, spatial = vae_factors(getattr(dataset, "data_path", None))
     wanted = wanted_latent_shape(data, temporal, spatial)
     if not wanted:
@@ -628,6 +670,16 @@ class ConcatLatentDataset(Dataset):
             p.global_offset = self.offsets[-1]
             self.offsets.append(self.offsets[-1] + len(p))
         self.data_path = "+".join(p.data_path for p in parts)
+        kinds = {p.data_path: p.text_only for p in parts}
+        if len(set(kinds.values())) > 1:
+            text = [path for path, only in kinds.items() if only]
+            raise ValueError(
+                f"training.data.mix: {', '.join(text)} {'is a text-only dataset' if len(text) == 1 else 'are text-only datasets'} "
+                "(prompts without video latents) and the others hold video latents: a run trains on one kind; "
+                "mix datasets of one kind"
+            )
+        self.text_only = parts[0].text_only
+        self.preprocessed_data_type = parts[0].preprocessed_data_type
 
     def __len__(self) -> int:
         return self.offsets[-1]
@@ -666,3 +718,61 @@ def _mix_datasets(first: LatentDataset, data) -> tuple[ConcatLatentDataset, list
 def latent_tokens(shape: Sequence[int], patch: Sequence[int] = (1, 2, 2)) -> int:
     """Transformer tokens of one latent [C, T, H, W] (for throughput figures)."""
     return math.prod(s // p for s, p in zip(shape[-3:], patch))
+
+
+ROLLOUT_SHAPE_KEYS = "training.data.num_latent_t (or num_frames), num_height and num_width"
+
+
+def rollout_latent_shape(cfg, channels: int, data_path: Optional[str] = None) -> list[int]:
+    """The latent shape [C, T, H, W] of a student's rollout from noise on a text-only dataset
+    (which holds no latent to take it from): `channels` (the student's latent channels,
+    ModelBase.in_channels) and the frames, height and width of `training.data.num_latent_t` (or
+    `num_frames`), `num_height` and `num_width`, by the compression of the VAE recorded with the
+    dataset (`data_path`, default training.data.data_path; Wan 2.1's 4 and 8 where none is). Keys
+    left unset, or sides the VAE does not divide, are a ConfigError naming the keys."""
+    from fv_accel.config import ConfigError
+
+    data = cfg.training.data
+    path = data_path or data.data_path
+    temporal, spatial = vae_factors(path if path != "tiny" else None)
+    try:
+        wanted = wanted_latent_shape(data, temporal, spatial)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    missing = [name for axis, name in (("T", "num_latent_t (or num_frames)"), ("H", "num_height"), ("W", "num_width")) if axis not in wanted]
+    if missing:
+        raise ConfigError(
+            f"training.data.{', '.join(missing)} not set: a rollout from noise on the text-only dataset '{path}' "
+            f"takes its latent shape from {ROLLOUT_SHAPE_KEYS} (e.g. num_frames 81, num_height 480, num_width 832)"
+        )
+    for key in ("num_height", "num_width"):
+        if int(getattr(data, key)) % spatial:
+            raise ConfigError(
+                f"training.data.{key} {getattr(data, key)}: not a multiple of {spatial}, the spatial compression of the "
+                f"VAE that encoded '{path}' (its latent would not decode to that size)"
+            )
+    return [int(channels), wanted["T"][1], wanted["H"][1], wanted["W"][1]]
+
+
+ROLLOUT_MODES_NEEDING_LATENTS = ("data_latent",)
+
+
+def check_rollout_data(rollout_mode: str, data: Any) -> None:
+    """Refuse a rollout mode that needs video latents (`data_latent`: the student is rolled out from
+    the noised data latents) on a text-only dataset, in one line (a ConfigError). `data`: the
+    dataset's path (training.data.data_path), or a LatentDataset / ConcatLatentDataset / TrainLoader."""
+    from fv_accel.config import ConfigError
+
+    if rollout_mode not in ROLLOUT_MODES_NEEDING_LATENTS:
+        return
+    if isinstance(data, (str, Path)):
+        text_only, path = dataset_is_text_only(data), str(data)
+    else:
+        dataset = getattr(data, "dataset", data)
+        text_only, path = dataset.text_only, dataset.data_path
+    if text_only:
+        raise ConfigError(
+            f"training.data.data_path '{path}' is a text-only dataset (prompts without video latents): "
+            f"method.rollout_mode {rollout_mode} needs video latents; use rollout_mode simulate or a dataset "
+            "preprocessed from videos"
+        )

@@ -2,7 +2,8 @@
 (read in place with pyarrow: fv_accel/data/parquet_rows.py).
 
 A row holds the VAE latent [C, T, H, W] and the text embedding [L, D] as raw bytes with their shape
-and dtype, plus the clip's metadata. Datasets preprocessed by FastVideo load unchanged.
+and dtype, plus the clip's metadata. Datasets preprocessed by FastVideo load unchanged. A text-only
+dataset (prompts, for training that rolls the student out from noise) has the text columns alone.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-REQUIRED_COLUMNS = (
-    "vae_latent_bytes",
-    "vae_latent_shape",
-    "vae_latent_dtype",
-    "text_embedding_bytes",
-    "text_embedding_shape",
-    "text_embedding_dtype",
-)
+LATENT_COLUMNS = ("vae_latent_bytes", "vae_latent_shape", "vae_latent_dtype")
+TEXT_EMBEDDING_COLUMNS = ("text_embedding_bytes", "text_embedding_shape", "text_embedding_dtype")
+REQUIRED_COLUMNS = LATENT_COLUMNS + TEXT_EMBEDDING_COLUMNS
+# FastVideo's `preprocessed_data_type` of a dataset of prompts alone: rows of text columns (and `id`,
+# `caption`), no VAE latent. fv_dataset.json records it; FastVideo's own such datasets are known by
+# their columns.
+TEXT_ONLY = "text_only"
 METADATA_COLUMNS = ("id", "file_name", "caption", "media_type", "width", "height", "num_frames", "duration_sec", "fps")
 # FastVideo's image-to-video columns (each as <name>_bytes/_shape/_dtype): the normalised latent of
 # [first frame, zero frames] [C, T, H, W], the CLIP image features [L, D] and the first frame, uint8
@@ -137,6 +137,14 @@ def make_row(
     return row
 
 
+def make_text_row(*, sample_id: str, text_embedding: torch.Tensor, caption: str, file_name: str = "", **extra: Any) -> dict:
+    """A row of a text-only dataset: the text embedding [L, D] (and the family's other text
+    columns in `extra`), no VAE latent; `media_type` 'text', as FastVideo marks text rows."""
+    row = {"id": sample_id, **tensor_columns("text_embedding", text_embedding), "file_name": file_name, "caption": caption, "media_type": "text"}
+    row.update(extra)
+    return row
+
+
 # Row groups of at most this many bytes (or 1000 rows): the loader decodes a row's whole row group to
 # read it, so at Wan 1.3B shapes (8.4 MB a row) each row is its own row group.
 ROW_GROUP_BYTES = 16 * 10**6
@@ -207,6 +215,33 @@ def read_dataset_info(data_path: str | Path) -> dict:
     if not isinstance(info, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(info).__name__}")
     return info
+
+
+def columns_are_text_only(column_names: Sequence[str]) -> bool:
+    """Rows with the text embedding columns and none of the VAE latent's: a text-only dataset."""
+    names = set(column_names)
+    return not names & set(LATENT_COLUMNS) and set(TEXT_EMBEDDING_COLUMNS) <= names
+
+
+def dataset_is_text_only(data_path: str | Path) -> bool:
+    """Whether a dataset holds prompts without video latents: its fv_dataset.json records
+    `preprocessed_data_type: text_only`, or (a dataset without one, such as FastVideo's) its first
+    Parquet file has text embedding columns and no VAE latent columns. The built-in "tiny" dataset is
+    of video latents; a path that does not exist is an error naming it."""
+    import pyarrow.parquet as pq
+
+    if str(data_path) == "tiny":
+        return False
+    recorded = read_dataset_info(data_path).get("preprocessed_data_type")
+    if recorded is not None:
+        return recorded == TEXT_ONLY
+    first = parquet_files(data_path)[0]
+    try:
+        names = pq.read_schema(first).names
+    except Exception as err:  # noqa: BLE001 - pyarrow raises ArrowInvalid/OSError for a bad footer
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"{first}: not a readable Parquet file ({detail}); remove it, or rerun preprocessing to write it again") from None
+    return columns_are_text_only(names)
 
 
 # Beside the shards: the text columns of the prompt the model's pipeline encodes for its
