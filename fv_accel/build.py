@@ -789,6 +789,7 @@ def _build_loader(cfg: RunConfig, acc: Any, data_path: str, student: Any, method
     loader = build_train_loader(
         cfg, world_size=dp_size, rank=dp_rank, data_path=data_path, exclude_indices=heldout_rows
     )
+    method.check_data(loader)
     check_data_fits_model(loader.dataset, student, method)
     check_latent_stats(student, cfg, data_path)
     return heldout_rows, loader

@@ -120,3 +120,58 @@ def test_recipe_errors_are_one_line_naming_the_key(tmp_path):
     ]:
         with pytest.raises(ValueError, match=words):
             build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path / key, **{key: value}))
+
+
+def test_a_text_only_dataset_trains_with_simulate_and_refuses_data_latent(tmp_path, tiny_model_dir):
+    from fv_accel.preprocess import main as preprocess_main
+
+    (tmp_path / "prompts.txt").write_text("a red circle moving left on a dark background\na green triangle bouncing\n")
+    data = tmp_path / "prompts_data"
+    argv = ["--model", str(tiny_model_dir), "--prompts", str(tmp_path / "prompts.txt"), "--output", str(data), "--dtype", "float32"]
+    assert preprocess_main(argv) == 0
+    text_only = {
+        "models.teacher.init_from": str(tiny_model_dir), "models.teacher.transformer_config": None,
+        "training.data.data_path": str(data), "training.data.num_frames": 5,
+        "training.data.num_height": 32, "training.data.num_width": 32, "training.loop.max_train_steps": 2,
+        "method.generator_update_interval": 1,
+    }
+    with pytest.raises(ConfigError, match="text-only dataset.*data_latent"):
+        build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path / "refused", **text_only, **{"method.rollout_mode": "data_latent"}))
+    run = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path / "sim", **text_only))
+    seen = []
+    original = run.method.critic_loss
+
+    def critic_loss(tb):
+        seen.append(tuple(tb.latents.shape))
+        return original(tb)
+
+    run.method.critic_loss = critic_loss
+    summary = Trainer(run).run()
+    assert summary["steps"] == 2 and summary["skipped_steps"] == 0
+    # The rollout's shape is the recipe's: 5 frames -> 2 latent frames, 32 px -> 4 latent pixels.
+    assert seen == [(2, 16, 2, 4, 4)] * 2
+    assert (tmp_path / "sim" / "out" / "transformer").is_dir()
+
+
+@pytest.mark.slow
+def test_every_role_named_on_the_command_line_trains_from_data_latents(tmp_path, tiny_model_dir):
+    """The issue's command: every role's init_from overridden, data_latent rollouts on the tiny data."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    m = str(tiny_model_dir)
+    cmd = [
+        str(Path(sys.executable).parent / "accelerate"), "launch", "--num_processes", "1", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "train_dmd2.py", "--config", "configs/tiny_dmd2.yaml",
+        "--models.student.init_from", m, "--models.teacher.init_from", m, "--models.critic.init_from", m,
+        "--method.rollout_mode", "data_latent", "--training.data.data_path", "tiny",
+        "--training.loop.max_train_steps", "2", "--output_dir", str(tmp_path / "out"),
+        "--callbacks.validation.enable", "false", "--training.tracker.trackers", "[none]",
+    ]
+    proc = subprocess.run(cmd, cwd=repo, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "done: 2 steps" in proc.stdout
+    assert (tmp_path / "out" / "transformer").is_dir() and (tmp_path / "out" / "critic" / "transformer").is_dir()

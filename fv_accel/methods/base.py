@@ -360,6 +360,9 @@ class TrainingMethod:
         """How many steps each LR schedule has taken after `step` optimizer steps (resume checks it)."""
         return {"student": step}
 
+    def check_data(self, loader: Any) -> None:
+        """Refuse, in one line, training data this method cannot use (called once the loader is built)."""
+
     def saved_roles(self) -> dict[str, ModelBase]:
         """Roles written beside the student's final weights, by output subfolder (none here)."""
         return {}

@@ -374,7 +374,7 @@ def register_adapter_checkpointing(
 ) -> None:
     """Make `accelerator.save_state` write the adapter (as `pytorch_lora_weights.safetensors`,
     directly loadable by diffusers) instead of the whole transformer, and `load_state` read it.
-    A role other than the student keeps its adapter in the checkpoint's `subfolder` (its role name)."""
+    A role other than the student keeps its adapter in the checkpoint's `subfolder` (its role name).
 
     Under DDP / one process Accelerate hands the hooks the model state dicts it is about to save;
     removing the transformer's keeps the frozen base out of the checkpoint. FSDP and DeepSpeed

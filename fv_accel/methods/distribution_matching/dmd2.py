@@ -219,10 +219,22 @@ class DMD2Method(TrainingMethod):
         (training.data.num_latent_t / num_height / num_width) for prompts-only data."""
         if batch.get("vae_latent") is not None:
             return tuple(batch["vae_latent"].shape)
-        from fv_accel.data.loader import recipe_latent_shape
+        if self._rollout_shape is None:
+            from fv_accel.data.loader import rollout_latent_shape
 
-        batch_size = int(batch["text_embedding"].shape[0])
-        return (batch_size, *recipe_latent_shape(self.cfg, self.student))
+            self._rollout_shape = tuple(rollout_latent_shape(self.cfg, self.student.in_channels))
+        return (int(batch["sample_index"].shape[0]), *self._rollout_shape)
+
+    _rollout_shape: Optional[tuple[int, ...]] = None
+
+    def check_data(self, loader: Any) -> None:
+        """`data_latent` rolls out from the data's latents: a text-only dataset is refused in one line;
+        `simulate` on one takes its shape from the recipe (checked here, before any step)."""
+        from fv_accel.data.loader import check_rollout_data, rollout_latent_shape
+
+        check_rollout_data(self._rollout_mode, loader)
+        if getattr(loader, "preprocessed_data_type", None) == "text_only":
+            self._rollout_shape = tuple(rollout_latent_shape(self.cfg, self.student.in_channels))
 
     def _unconditional(self, batch: dict[str, Any], tb: TrainingBatch) -> Any:
         """The unconditional branch: the pipeline's negative prompt (the dataset's stored
