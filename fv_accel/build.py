@@ -736,23 +736,12 @@ def _build_student_and_method(cfg: RunConfig, acc: Any) -> tuple[Any, Any]:
 ROLE_TRAINABLE = {"teacher": False, "critic": True}
 
 
-def role_config(cfg: RunConfig, role: str) -> RunConfig:
-    """The recipe as a role's model reads it: `models.<role>` in the student's place, and dense
-    attention for a teacher or critic (`training.vsa` applies to the student alone)."""
-    import dataclasses
-
-    from fv_accel.config import VSAConfig
-
-    models = dataclasses.replace(cfg.models, student=getattr(cfg.models, role))
-    training = dataclasses.replace(cfg.training, vsa=VSAConfig())
-    return dataclasses.replace(cfg, models=models, training=training)
-
-
 def build_other_roles(cfg: RunConfig, acc: Any) -> dict[str, Any]:
     """The roles beside the student that the recipe declares (models.teacher, models.critic), each a
     model of its family; a frozen role is put in eval mode, without gradients, on the device."""
     from accelerate.utils import set_seed
 
+    from fv_accel.config import role_config
     from fv_accel.models import family_of
 
     roles: dict[str, Any] = {}

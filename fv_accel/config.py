@@ -937,6 +937,14 @@ def resolve_roles(cfg: RunConfig, data: dict, source: str) -> None:
                     setattr(target, key, _deep_copy(getattr(models.teacher, key)))
 
 
+def role_config(cfg: RunConfig, role: str) -> RunConfig:
+    """The recipe as a role's model reads it: `models.<role>` in the student's place, and dense
+    attention for a teacher or critic (`training.vsa` applies to the student alone)."""
+    models = dataclasses.replace(cfg.models, student=getattr(cfg.models, role))
+    training = dataclasses.replace(cfg.training, vsa=VSAConfig())
+    return dataclasses.replace(cfg, models=models, training=training)
+
+
 def check_lora_keys_enabled(cfg: RunConfig, data: dict, source: str) -> None:
     """LoRA settings the recipe or command line gives (other than their defaults) while
     models.student.lora.enable is false would be ignored, and the run would train every weight:

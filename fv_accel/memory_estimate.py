@@ -561,7 +561,33 @@ def _wan_shape(config: dict) -> Optional[WanShape]:
 
 
 def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> MemoryEstimate:
-    """The per-process estimate for a recipe under the launch in `env` (os.environ by default)."""
+    """The per-process estimate for a recipe under the launch in `env` (os.environ by default).
+    A distillation recipe adds its other roles: the critic as a second trained model (parameters,
+    gradients, its optimizer's state, the activations of its own backward, held at the same time as
+    the student's), the frozen teacher's parameters."""
+    from fv_accel.config import DISTILLATION_METHODS, role_config
+
+    est = _estimate_role(cfg, env)
+    if cfg.method.name not in DISTILLATION_METHODS:
+        return est
+    described = []
+    for role in ("critic", "teacher"):
+        other = _estimate_role(role_config(cfg, role), env)
+        est.parameters += other.parameters
+        if role == "critic":
+            est.gradients += other.gradients
+            est.optimizer += other.optimizer
+            if est.activations is not None and other.activations is not None:
+                est.activations += other.activations
+            described.append(f"critic {other.census.total:,} parameters ({other.census.trainable:,} trained, its own optimizer)")
+        else:
+            described.append(f"frozen teacher {other.census.total:,} parameters (no gradient, no optimizer state)")
+    est.notes.append("distillation: the student's figures plus the " + " and the ".join(described))
+    return est
+
+
+def _estimate_role(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> MemoryEstimate:
+    """One model's estimate: `models.student` of `cfg` (a role's recipe from `role_config`)."""
     env = os.environ if env is None else env
     launch = launch_from_env(cfg, env)
     c = census(cfg)

@@ -175,3 +175,17 @@ def test_every_role_named_on_the_command_line_trains_from_data_latents(tmp_path,
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "done: 2 steps" in proc.stdout
     assert (tmp_path / "out" / "transformer").is_dir() and (tmp_path / "out" / "critic" / "transformer").is_dir()
+
+
+def test_the_memory_estimate_counts_three_models_and_two_optimizers(tmp_path):
+    from fv_accel.config import role_config
+    from fv_accel.memory_estimate import _estimate_role, estimate_memory
+
+    cfg = load_config(DMD2_RECIPE, dmd2_overrides(tmp_path))
+    env = {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}
+    est = estimate_memory(cfg, env)
+    one = _estimate_role(role_config(cfg, "teacher"), env)  # all three roles share the teacher's config here
+    assert est.parameters == pytest.approx(3 * one.parameters)
+    assert est.gradients == pytest.approx(2 * one.gradients) and est.gradients > 0
+    assert est.optimizer == pytest.approx(2 * one.optimizer) and est.optimizer > 0
+    assert any("frozen teacher" in note and "critic" in note for note in est.notes)
