@@ -545,6 +545,12 @@ class ValidationConfig:
     heldout_max_samples: int = 8
     # DFSFT only: per-chunk noise patterns (ramp_up, ramp_down, clean_context, or per-chunk sigmas).
     heldout_chunk_patterns: list[Union[str, list[float]]] = field(default_factory=lambda: ["ramp_up", "ramp_down"])
+    # Distillation: the student's samples' temporal variation and colour spread are compared with the
+    # teacher's on the same prompts and seeds (sampled once, at the start); below `collapse_ratio`
+    # times the teacher's, a warning names the step, and with `stop_on_collapse` the run stops with
+    # a checkpoint.
+    collapse_ratio: float = 0.5
+    stop_on_collapse: bool = False
 
     def check(self) -> None:
         if self.every_steps < 1:
@@ -571,6 +577,8 @@ class ValidationConfig:
             raise Invalid("ar_step", self.ar_step, "an integer >= 0, or null (chunk by chunk)")
         if not 0.0 <= self.context_noise < 1.0:
             raise Invalid("context_noise", self.context_noise, "a sigma in [0, 1)")
+        if not 0.0 < self.collapse_ratio < 1.0:
+            raise Invalid("collapse_ratio", self.collapse_ratio, "a number in (0, 1)")
         self._check_heldout()
 
     def _check_heldout(self) -> None:

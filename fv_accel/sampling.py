@@ -372,3 +372,27 @@ def num_rounds(num_frames_latent: int, chunk_size: int, num_inference_steps: int
     """Model calls (per guidance branch) the diffusion-forcing sampler makes."""
     chunks = math.ceil(num_frames_latent / chunk_size)
     return int(diffusion_forcing_schedule(chunks, num_inference_steps, ar_step).shape[0])
+
+
+# ---- few-step students (distillation) ----
+def few_step_schedule(sigmas: list[float], origin: str) -> SamplingSchedule:
+    """The diffusers scheduler that samples a few-step student as its training rollout does: at each
+    step x0 = x_t - sigma_k * v, then re-noised to the next sigma with fresh noise (FastVideo's
+    DMD sampler; diffusers' FlowMatchLCMScheduler.step). `sigmas` are the student's step sigmas,
+    from 1.0 down, evenly spaced (a step list evenly spaced in t, e.g. [1000, 750, 500, 250]):
+    FlowMatchLCMScheduler gives them at shift 1 with `shift_terminal` the last sigma. Another
+    spacing has no stock scheduler config and is a ValueError naming the sigmas."""
+    k = len(sigmas)
+    expected = [1.0 - i * (1.0 - sigmas[-1]) / (k - 1) for i in range(k)] if k > 1 else [1.0]
+    if abs(sigmas[0] - 1.0) > 1e-6 or any(abs(a - b) > 1e-4 for a, b in zip(sigmas, expected)):
+        raise ValueError(
+            f"{origin}: the student's step sigmas {[round(s, 4) for s in sigmas]} are not evenly spaced from 1.0, so no "
+            "stock diffusers scheduler steps them (use a step list evenly spaced in t without warp_denoising_step, "
+            "e.g. [1000, 750, 500, 250])"
+        )
+    from diffusers import FlowMatchLCMScheduler
+
+    config = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False,
+              "shift_terminal": float(sigmas[-1]) if k > 1 else None}
+    config = {k_: v for k_, v in dict(FlowMatchLCMScheduler.from_config(config).config).items() if not k_.startswith("_")}
+    return SamplingSchedule("FlowMatchLCMScheduler", config, origin)

@@ -246,6 +246,8 @@ class Trainer:
         self.last_checkpoint: Optional[Path] = None
         self._stop_signal: Optional[int] = None
         self._stop_signal_time = 0.0
+        # A callback's request to stop with a checkpoint (request_stop), with its reason.
+        self._stop_reason: Optional[str] = None
         # Set by the per-step check: some rank was asked to stop (several processes).
         self._stop_agreed = False
         # The gradient norm's value (and each clip target's), read by the per-step check.
@@ -330,7 +332,12 @@ class Trainer:
         collective), so every rank stops at the same step without a collective of its own."""
         if self.accelerator.num_processes > 1:
             return self._stop_agreed
-        return self._stop_signal is not None
+        return self._stop_signal is not None or self._stop_reason is not None
+
+    def request_stop(self, reason: str) -> None:
+        """A callback asks the run to stop at a step boundary with a checkpoint, as a signal would
+        (several processes agree on it in the next step's check); `reason` is said when it stops."""
+        self._stop_reason = self._stop_reason or reason
 
     # ---- gradient clipping ----
     def _grad_norm(self, params: list, max_norm: float) -> tuple[Any, bool]:
@@ -385,7 +392,7 @@ class Trainer:
         ])
         bad_norms = ~torch.isfinite(norms)
         norm_bad = bad_norms.any()
-        stop = torch.tensor(1.0 if self._stop_signal is not None else 0.0, device=norms.device)
+        stop = torch.tensor(1.0 if self._stop_signal is not None or self._stop_reason else 0.0, device=norms.device)
         # The lowest and highest process whose loss is non-finite, through the same maximum.
         rank, world = acc.process_index if acc.num_processes > 1 else 0, acc.num_processes
         lowest, highest = (loss_bad.float() * (world - rank)).to(norms.device), (loss_bad.float() * (rank + 1)).to(norms.device)
@@ -799,7 +806,9 @@ class Trainer:
     def _requested_stop(self, loop: "LoopSettings") -> Optional[str]:
         """What asked this run to stop at this step boundary (a signal's name), or None."""
         if self.step < loop.max_steps and self._stop_requested():
-            return signal.Signals(self._stop_signal).name if self._stop_signal else "another rank's signal"
+            if self._stop_signal:
+                return signal.Signals(self._stop_signal).name
+            return self._stop_reason or "another rank's signal"
         return None
 
     # ---- the log cadence ----

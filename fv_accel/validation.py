@@ -732,6 +732,12 @@ class VideoSamplingCallback(TrainerCallback):
         self.references: Optional[list[tuple[torch.Tensor, np.ndarray]]] = None
         # (step, samples/distance, samples/latent_distance) of every validation
         self.distances: list[tuple[int, float, float]] = []
+        # A few-step student (distillation): the scheduler and step count it samples with (the
+        # method's `sampling_schedule`), and the teacher's (temporal variation, colour spread) on the
+        # same prompts and seeds, measured once.
+        self.student_schedule: Any = None
+        self.student_steps = 0
+        self.teacher_statistics: Optional[tuple[float, float]] = None
 
     def _samples_here(self, acc: Any) -> bool:
         # Sharded weights and context parallelism need every rank in each forward; otherwise the
@@ -759,11 +765,21 @@ class VideoSamplingCallback(TrainerCallback):
         self.spatial, self.temporal = int(encoder.spec.scale_factor_spatial), int(encoder.spec.scale_factor_temporal)
         del encoder
         self.schedule = repo_sampling_schedule(source, self.val, family, revision=revision)
+        few_step = getattr(trainer.method, "sampling_schedule", None)
+        if few_step is not None:
+            self.student_schedule = few_step()
+            self.student_steps = len(trainer.method.few_step_sigmas(torch.Size([1, 1, 1, 1, 1])))
         if trainer.method.student.capabilities.image_conditioning:
             self._load_condition(spatial=self.spatial, temporal=self.temporal)
 
     def describe_sampler(self, trainer: Any) -> str:
         """What the sample videos step with, for the log at start."""
+        if self.student_schedule is not None:
+            return (
+                f"the student at its {self.student_steps} steps without guidance through the {trainer.method.student.family} "
+                f"family's diffusers pipeline with {self.student_schedule.class_name} ({self.student_schedule.origin}); "
+                f"the teacher once, at {self.val.sampling_steps} steps with {self.schedule.describe()}"
+            )
         chunk_size = chunk_size_of(trainer.method)
         if chunk_size is None:
             return (
@@ -816,7 +832,17 @@ class VideoSamplingCallback(TrainerCallback):
         if self.prompts and _is_due(trainer, step, self.val.every_steps):
             self.sample(trainer, step)
 
-    def _sample_latents(self, trainer: Any, student: Any, p: SamplePrompt) -> torch.Tensor:
+    def _sample_few_step(self, trainer: Any, student: Any, p: SamplePrompt) -> torch.Tensor:
+        """A few-step student's sample, as the stock pipeline with the exported scheduler makes it:
+        the start noise from the prompt's seed, each re-noising from the global generator seeded
+        with seed + 1 (the pipeline draws it there; `evaluation_mode` restores the global state)."""
+        import dataclasses
+
+        torch.manual_seed(p.seed + 1)
+        few = dataclasses.replace(p, sampling_steps=self.student_steps, guidance_scale=1.0)
+        return self._sample_latents(trainer, student, few, schedule=self.student_schedule)
+
+    def _sample_latents(self, trainer: Any, student: Any, p: SamplePrompt, schedule: Any = None) -> torch.Tensor:
         from fv_accel.sampling import latent_frames, sample_diffusion_forcing, sample_with_scheduler
 
         condition = self.condition
@@ -829,6 +855,7 @@ class VideoSamplingCallback(TrainerCallback):
         # The validation's own generator, on the CPU: never the method's, and device-independent.
         generator = torch.Generator().manual_seed(p.seed)
         chunk_size = chunk_size_of(trainer.method)
+        schedule = schedule or self.schedule
         spatial, temporal = self.spatial, self.temporal
         shape = (1, student.in_channels, latent_frames(p.num_frames, temporal), p.height // spatial, p.width // spatial)
         steps = dict(num_inference_steps=p.sampling_steps, guidance_scale=p.guidance_scale)
@@ -836,7 +863,7 @@ class VideoSamplingCallback(TrainerCallback):
             # The family's own diffusers pipeline, where it has one for this student.
             latents = student.sample_latents(
                 self.vae, text, negative, height=p.height, width=p.width, num_frames=p.num_frames,
-                scheduler=self.schedule.build(), generator=generator,
+                scheduler=schedule.build(), generator=generator,
                 first_frame=None if condition is None else condition["pil_image"][0].numpy(), **steps,
             )
             if latents is not None:
@@ -859,7 +886,7 @@ class VideoSamplingCallback(TrainerCallback):
         sampled = noise[:, :, clean:]
         if chunk_size is None:
             # No family pipeline for this student: the pipeline's loop, with the same scheduler.
-            x = sample_with_scheduler(predict, sampled, text, self.schedule.build(), negative_text=negative, **steps)
+            x = sample_with_scheduler(predict, sampled, text, schedule.build(), negative_text=negative, **steps)
         else:
             x = sample_diffusion_forcing(
                 predict, sampled, text, chunk_size=chunk_size, shift=self.schedule.euler_shift(student.tokens(shape)),
@@ -869,6 +896,45 @@ class VideoSamplingCallback(TrainerCallback):
         if clean:
             x = torch.cat([first.to(x.dtype), x], dim=2)
         return x
+
+    def _teacher_statistics(self, trainer: Any, step: int) -> tuple[float, float]:
+        """The teacher's samples' mean (temporal variation, colour spread) over the prompts, at its
+        own steps, guidance and sampler (the reference a collapsing student falls below)."""
+        from fv_accel.sampling import decode_latents
+
+        teacher = trainer.method.teacher
+        stats = []
+        for p in self.prompts:
+            latents = self._sample_latents(trainer, teacher, p)
+            frames = decode_latents(self.vae, latents, teacher.latents_mean, teacher.latents_std, decode=type(teacher).decode)[0]
+            stats.append(video_statistics(frames))
+        temporal, spread = (float(np.mean([s[i] for s in stats])) for i in (0, 1))
+        if trainer.accelerator.is_main_process:
+            trainer.log_metrics({"teacher/temporal_variation": temporal, "teacher/colour_spread": spread}, step)
+            logger.info(
+                "teacher's samples (%d steps, guidance %g): temporal variation %.4f, colour spread %.4f",
+                self.val.sampling_steps, self.val.guidance_scale, temporal, spread,
+            )
+        return temporal, spread
+
+    def _check_collapse(self, trainer: Any, step: int, videos: list[np.ndarray]) -> None:
+        """The student's samples against the teacher's: a warning (and with stop_on_collapse a stop
+        with a checkpoint) when either figure falls below collapse_ratio times the teacher's."""
+        stats = [video_statistics(frames) for frames in videos]
+        temporal, spread = (float(np.mean([s[i] for s in stats])) for i in (0, 1))
+        trainer.log_metrics({"samples/temporal_variation": temporal, "samples/colour_spread": spread}, step)
+        t_temporal, t_spread = self.teacher_statistics
+        ratio = self.val.collapse_ratio
+        if temporal >= ratio * t_temporal and spread >= ratio * t_spread:
+            return
+        message = (
+            f"step {step}: the student's samples are collapsing: temporal variation {temporal:.4f} (teacher {t_temporal:.4f}), "
+            f"colour spread {spread:.4f} (teacher {t_spread:.4f}), below {ratio:g} x the teacher's "
+            "(callbacks.validation.collapse_ratio)"
+        )
+        logger.warning("%s", message)
+        if self.val.stop_on_collapse:
+            trainer.request_stop(f"callbacks.validation.stop_on_collapse ({message})")
 
     def _reference_clips(self, student: Any) -> list[tuple[torch.Tensor, np.ndarray]]:
         """The first `distance_clips` training clips (rows the training loader sees): (normalised
@@ -948,8 +1014,13 @@ class VideoSamplingCallback(TrainerCallback):
             with evaluation_mode(trainer) as student, ema:
                 self.vae.to(acc.device)
                 try:
+                    if self.student_schedule is not None and self.teacher_statistics is None:
+                        self.teacher_statistics = self._teacher_statistics(trainer, step)
                     for p in self.prompts:
-                        latents = self._sample_latents(trainer, student, p)
+                        if self.student_schedule is not None:
+                            latents = self._sample_few_step(trainer, student, p)
+                        else:
+                            latents = self._sample_latents(trainer, student, p)
                         frames = decode_latents(
                             self.vae, latents, student.latents_mean, student.latents_std, decode=type(student).decode
                         )[0]
@@ -959,6 +1030,8 @@ class VideoSamplingCallback(TrainerCallback):
                             paths.append(path)
                     if acc.is_main_process and self.val.distance_clips and self.data_path:
                         self._log_distance(trainer, student, step, [(n, z, f) for n, z, f, _ in samples])
+                    if acc.is_main_process and self.teacher_statistics is not None:
+                        self._check_collapse(trainer, step, [f for _, _, f, _ in samples])
                 finally:
                     self.vae.to("cpu")
             if acc.is_main_process:
@@ -995,6 +1068,16 @@ def check_validation_data(cfg: Any, data_path: str) -> None:
         f"'{cfg.training.data.data_path}' is a text-only dataset (prompts without video latents): set "
         f"{' and '.join(f'callbacks.validation.{key} 0' for key in asks)} (a held-out loss can use heldout_data_path, a dataset preprocessed from videos)"
     )
+
+
+def video_statistics(frames: np.ndarray) -> tuple[float, float]:
+    """(temporal variation, colour spread) of a uint8 video [F, H, W, 3] in [0, 1] units: the mean
+    absolute change between consecutive frames (0 for one frame), and the mean over frames of the
+    standard deviation of the frame's pixel values. A static or solid-colour video scores ~0."""
+    x = np.asarray(frames, dtype=np.float32) / 255.0
+    temporal = float(np.abs(np.diff(x, axis=0)).mean()) if x.shape[0] > 1 else 0.0
+    spread = float(np.mean([frame.std() for frame in x]))
+    return temporal, spread
 
 
 def build_validation_callbacks(

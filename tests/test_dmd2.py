@@ -189,3 +189,39 @@ def test_the_memory_estimate_counts_three_models_and_two_optimizers(tmp_path):
     assert est.gradients == pytest.approx(2 * one.gradients) and est.gradients > 0
     assert est.optimizer == pytest.approx(2 * one.optimizer) and est.optimizer > 0
     assert any("frozen teacher" in note and "critic" in note for note in est.notes)
+
+
+def test_a_forced_collapse_warns_and_stop_on_collapse_stops_with_a_checkpoint(tmp_path, caplog):
+    """A student whose every sample decodes the same still latent (in sampling its velocity is
+    x / sigma, so each step predicts x0 = 0) against the teacher's samples on the same prompts and seeds."""
+    import logging
+
+    overrides = dmd2_overrides(tmp_path, **{
+        "callbacks.validation.enable": True, "callbacks.validation.every_steps": 2,
+        "callbacks.validation.prompts": ["a white square moving up on a light background"],
+        "callbacks.validation.sampling_steps": 4, "callbacks.validation.guidance_scale": 1.0,
+        "callbacks.validation.stop_on_collapse": True,
+        "training.checkpoint.training_state_checkpointing_steps": 0,
+        "training.loop.max_train_steps": 4,
+    })
+    run = build_from_config(DMD2_RECIPE, overrides)
+
+    def still(module, args, kwargs, output):
+        if torch.is_grad_enabled():  # training steps run as usual; only the samples collapse
+            return None
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        t = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+        velocity = x / (t.float() / 1000.0).reshape(-1, *([1] * (x.ndim - 1)))
+        return (velocity,) if isinstance(output, tuple) else type(output)(sample=velocity)
+
+    run.method.student.transformer.register_forward_hook(still, with_kwargs=True)
+    with caplog.at_level(logging.WARNING, logger="fv_accel.validation"):
+        summary = Trainer(run).run()
+    warnings = [r.getMessage() for r in caplog.records if "collapsing" in r.getMessage()]
+    assert warnings and warnings[0].startswith("step 2: the student's samples are collapsing: temporal variation")
+    assert summary["stopped_by"].startswith("callbacks.validation.stop_on_collapse")
+    assert summary["final_step"] == 2 and (tmp_path / "out" / "checkpoint-2").is_dir()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    teacher = next(r for r in rows if "teacher/temporal_variation" in r)
+    student_row = next(r for r in rows if "samples/temporal_variation" in r)
+    assert student_row["samples/temporal_variation"] < 0.5 * teacher["teacher/temporal_variation"]

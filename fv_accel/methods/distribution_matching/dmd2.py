@@ -194,6 +194,19 @@ class DMD2Method(TrainingMethod):
             steps = self.student.training_table(latent_shape).warp_steps(steps)
         return steps.to(self.device)
 
+    def few_step_sigmas(self, latent_shape: torch.Size) -> list[float]:
+        """The sigma of each of the student's steps (its training table's entry nearest to the step)."""
+        table = self.student.training_table(latent_shape)
+        return [float(table.nearest_sigmas(t.reshape(1).cpu(), 1)[0]) for t in self.denoising_steps(latent_shape)]
+
+    def sampling_schedule(self) -> Any:
+        """The diffusers scheduler that samples the student at its few steps as the rollout does
+        (fv_accel.sampling.few_step_schedule): what validation and exported folders use."""
+        from fv_accel.sampling import few_step_schedule
+
+        sigmas = self.few_step_sigmas(torch.Size([1, 1, 1, 1, 1]))
+        return few_step_schedule(sigmas, "the student's few steps (method.dmd_denoising_steps)")
+
     def sample_score_timestep(self, latent_shape: torch.Size, device: torch.device) -> torch.Tensor:
         n = self.table.num_train_timesteps
         t = self.student.training_table(latent_shape).shift_timestep(self._randint(n, device))
