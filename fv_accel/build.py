@@ -721,6 +721,9 @@ def _build_student_and_method(cfg: RunConfig, acc: Any) -> tuple[Any, Any]:
 
     # Identical initial weights on every rank for inline (random-init) students. Seeded here, after
     # the data: building the tiny dataset on a first run reseeds the global RNG.
+    from fv_accel.config import check_role_runs
+
+    check_role_runs(cfg)
     set_seed(cfg.training.data.seed)
     student = build_student(cfg)
     student.attach_accelerator(acc)

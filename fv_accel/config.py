@@ -945,6 +945,38 @@ def resolve_roles(cfg: RunConfig, data: dict, source: str) -> None:
                     setattr(target, key, _deep_copy(getattr(models.teacher, key)))
 
 
+def check_role_runs(cfg: RunConfig) -> None:
+    """A role's `init_from` that names the output folder of one of the built-in recipes, before that
+    run exists (the tiny teacher of configs/tiny_dmd2.yaml): a ConfigError giving the command that
+    makes it, instead of a Hub lookup of a folder name."""
+    for role in ("student", "teacher", "critic"):
+        section = getattr(cfg.models, role)
+        if section is None or not section.init_from or Path(section.init_from).exists():
+            continue
+        maker = recipe_writing(section.init_from)
+        if maker is not None:
+            recipe, method = maker
+            script = {"dfsft": "dfsft", "tfsft": "dfsft"}.get(method, method)
+            raise ConfigError(
+                f"models.{role}.init_from '{section.init_from}' does not exist yet: it is the output of "
+                f"configs/{recipe.name}; make it first with `accelerate launch train_{script}.py --config configs/{recipe.name}`"
+            )
+
+
+def recipe_writing(folder: str) -> Optional[tuple[Path, str]]:
+    """(recipe, method name) of the built-in recipe whose training.checkpoint.output_dir is `folder`, if any."""
+    wanted = os.path.normpath(folder)
+    for recipe in sorted(CONFIG_DIR.glob("*.yaml")):
+        try:
+            data = _read_yaml(recipe)
+        except (ConfigError, OSError):
+            continue
+        out = ((data.get("training") or {}).get("checkpoint") or {}).get("output_dir")
+        if isinstance(out, str) and os.path.normpath(out) == wanted:
+            return recipe, str((data.get("method") or {}).get("name") or "finetune")
+    return None
+
+
 def role_config(cfg: RunConfig, role: str) -> RunConfig:
     """The recipe as a role's model reads it: `models.<role>` in the student's place, and dense
     attention for a teacher or critic (`training.vsa` applies to the student alone)."""

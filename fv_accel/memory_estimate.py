@@ -565,8 +565,12 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
     A distillation recipe adds its other roles: the critic as a second trained model (parameters,
     gradients, its optimizer's state, the activations of its own backward, held at the same time as
     the student's), the frozen teacher's parameters."""
-    from fv_accel.config import DISTILLATION_METHODS, role_config
+    from fv_accel.config import DISTILLATION_METHODS, ConfigError, check_role_runs, role_config
 
+    try:
+        check_role_runs(cfg)
+    except ConfigError as err:
+        raise EstimateUnavailable(str(err)) from None
     est = _estimate_role(cfg, env)
     if cfg.method.name not in DISTILLATION_METHODS:
         return est

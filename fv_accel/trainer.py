@@ -356,9 +356,18 @@ class Trainer:
         acc = self.accelerator
         limit = max_norm if max_norm > 0 else math.inf
         unsharded = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
+        if acc.distributed_type == DistributedType.FSDP and getattr(acc, "is_fsdp2", False):
+            return self._fsdp2_clip(params, limit), True
         if self.steps_in_backward or acc.distributed_type not in unsharded or acc.scaler is not None:
             return acc.clip_grad_norm_(params, limit), True  # DeepSpeed: the norm its engine step took
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]), False
+
+    def _fsdp2_clip(self, params: list, limit: float) -> Any:
+        """Accelerate's FSDP2 clip (unscale, then its DTensor-aware norm and clip) called directly:
+        `accelerator.clip_grad_norm_` first looks for the prepared model the parameters belong to by
+        comparing lists with `==`, which fails between the DTensors of two models of one shape."""
+        self.accelerator.unscale_gradients()
+        return self.accelerator._clip_grad_norm_dtensor_aware(params, limit)
 
     @staticmethod
     def _clip_to(params: list, max_norm: float, norm: torch.Tensor, norm_value: float) -> None:

@@ -127,6 +127,10 @@ def run_one(spec: dict, out_root: Path) -> dict:
     sharded = bool(getattr(acc, "is_fsdp2", False))
     if not sharded and rank == 0:
         save_weights(acc.unwrap_model(model), out / "init.safetensors")
+    teacher = getattr(method, "teacher", None)
+    # Read before training: FSDP2 leaves a root module's parameters unsharded after a forward
+    # that no backward follows (a frozen teacher's).
+    teacher_param_type = type(next(teacher.transformer.parameters())).__name__ if teacher is not None else None
     trainer = Trainer(run)
     trainer.run()
 
@@ -144,6 +148,7 @@ def run_one(spec: dict, out_root: Path) -> dict:
         "timestep_dtypes": sorted(seen["timestep"]),
         "block_compute_dtypes": sorted(seen["block"]),
         "start_step": run.start_step,
+        "teacher_param_type": teacher_param_type,
         # diffusers' context-parallel config on the transformer (None: the sequence is not split).
         "context_parallel": _context_parallel_of(unwrapped),
         "steps": [
@@ -163,9 +168,7 @@ def run_one(spec: dict, out_root: Path) -> dict:
         critic = getattr(method, "critic", None)
         if critic is not None:  # a distillation run's second trained role
             save_weights(acc.unwrap_model(critic.transformer), out / f"critic_rank{rank}.safetensors")
-    teacher = getattr(method, "teacher", None)
-    if teacher is not None:
-        record["teacher_param_type"] = type(next(teacher.transformer.parameters())).__name__
+
     (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
     return record
 

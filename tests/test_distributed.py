@@ -351,7 +351,7 @@ def test_two_process_checkpoint_resumes_in_one_process(ddp_runs, tmp_path):
         tmp_path,
         **{"training.data.train_batch_size": 2, "training.checkpoint.resume_from_checkpoint": str(ckpt)},
     )
-    assert resumed["start_step"] == 2 and [s["step"] for s in resumed["steps"]] == [2]
+    assert resumed["start_step"] == 2 and [s["step"] for s in resumed["steps"]] == [3]
     two_proc = records["finetune_2proc"]
     assert sorted(resumed["steps"][0]["samples"]) == sorted(
         two_proc[0]["steps"][2]["samples"] + two_proc[1]["steps"][2]["samples"]
@@ -388,7 +388,7 @@ def test_fsdp2_equals_ddp_and_its_sharded_checkpoint_resumes(fsdp_runs, ddp_runs
     # A fresh run resumed from it continues to the same weights as the uninterrupted run.
     resumed = records["finetune_fsdp2_resumed"]
     assert [rec["start_step"] for rec in resumed] == [2, 2]
-    assert [s["step"] for s in resumed[0]["steps"]] == [2]
+    assert [s["step"] for s in resumed[0]["steps"]] == [3]
     assert resumed[0]["steps"][0]["samples"] == fsdp[0]["steps"][2]["samples"]
     resumed_final = load_file(
         str(root / "finetune_fsdp2_resumed" / "transformer" / "diffusion_pytorch_model.safetensors")

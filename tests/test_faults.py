@@ -53,9 +53,9 @@ def inject_nan_loss(run, steps: set[int]) -> list:
 
     def step(batch, iteration):
         loss_map, outputs, metrics = real(batch, iteration)
-        if iteration + 1 in steps:
+        if iteration in steps:
             loss_map = dict(loss_map, total_loss=loss_map["total_loss"] * float("nan"))
-            seen.append((iteration + 1, outputs["training_batch"].timesteps.detach().clone()))
+            seen.append((iteration, outputs["training_batch"].timesteps.detach().clone()))
         return loss_map, outputs, metrics
 
     run.method.single_train_step = step
@@ -137,7 +137,7 @@ def test_non_finite_gradient_norm_is_caught_without_clipping(tmp_path, latent_da
     current = {"step": 0}
 
     def step(batch, iteration):
-        current["step"] = iteration + 1
+        current["step"] = iteration
         return real(batch, iteration)
 
     run.method.single_train_step = step

@@ -283,3 +283,49 @@ def test_both_experts_lora_run_writes_one_file_per_expert_that_diffusers_loads(t
             expected = fused.state_dict()
             assert max(float((v - expected[k]).abs().max()) for k, v in loaded.state_dict().items()) <= 1e-6
     assert not torch.equal(merged.transformer.blocks[0].attn1.to_q.weight, pipe.transformer.blocks[0].attn1.to_q.weight)
+
+
+def test_dmd2_ti2v_image_to_video_feeds_every_role_the_clean_condition_frame_at_t0(tmp_path, variant_dirs):
+    """A TI2V image-to-video DMD2 run (simulate): the student, teacher and critic each see the data's
+    first latent frame clean at timestep 0 in every forward, and the student trains."""
+    from dmd2_helpers import DMD2_RECIPE, dmd2_overrides
+
+    model, data = variant_dirs["wan22_ti2v"]
+    over = dmd2_overrides(tmp_path, **{
+        "models.teacher.init_from": str(model), "models.teacher.transformer_config": None,
+        "models.teacher.task": "i2v", "models.student.task": "i2v", "models.critic.task": "i2v",
+        "training.data.data_path": str(data), "training.data.train_batch_size": 1,
+        "training.data.text_max_length": 512, "training.loop.max_train_steps": 2,
+        "method.generator_update_interval": 1,
+    })
+    run = build_from_config(DMD2_RECIPE, over)
+    method = run.method
+    assert method.student.capabilities.image_conditioning
+    seen = []
+    current = {}
+    original = method._prepare_dmd_batch
+
+    def prepare(batch):
+        tb = original(batch)
+        current["first"] = tb.extras["clean_condition"].clone()
+        return tb
+
+    method._prepare_dmd_batch = prepare
+    for role in ("student", "teacher", "critic"):
+        model_role = getattr(method, role)
+        real = model_role.forward
+
+        def forward(x, t, cond, _real=real, _role=role):
+            seen.append((_role, torch.equal(x[:, :, :1], current["first"]), t.detach().clone()))
+            return _real(x, t, cond)
+
+        model_role.forward = forward
+    before = {k: v.clone() for k, v in method.student.transformer.state_dict().items()}
+    summary = Trainer(run).run()
+    assert summary["steps"] == 2 and summary["skipped_steps"] == 0
+    assert {r for r, _, _ in seen} == {"student", "teacher", "critic"}
+    for role, clean_first, t in seen:
+        assert clean_first, role
+        assert t.ndim == 2 and torch.all(t[:, 0] == 0) and torch.all(t[:, 1:] > 0), role
+    after = method.student.transformer.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -219,8 +219,12 @@ class DMD2Method(TrainingMethod):
         if self._rollout_mode == "simulate":
             cond = self.student.build_conditioning(batch)
             tb = TrainingBatch(latents=torch.zeros(self.rollout_shape(batch), device=self.device), conditioning=cond)
+            if cond.clean_frames:  # image-to-video: the data's first frames are the condition
+                tb.extras["clean_condition"] = self.student.clean_latents(batch)[:, :, : cond.clean_frames]
         else:
             tb = self.student.prepare_batch(batch, latents_source="data")
+            if tb.conditioning.clean_frames:
+                tb.extras["clean_condition"] = tb.latents[:, :, : tb.conditioning.clean_frames]
         tb.noise = randn(tb.latents.shape, self._generator, tb.latents.device)
         idx = self.sample_homogeneous_indices(tb.latents.shape[0], self._generator, tb.latents.device, in_range=False)
         tb = self.attach_vsa_metadata(self.noise_to(tb, idx))
@@ -265,46 +269,69 @@ class DMD2Method(TrainingMethod):
             )
         return cond.unconditional()
 
+    # ---- the roles' predictions (an image-to-video condition kept clean, at timestep 0) ----
+    def _conditioned(self, x: torch.Tensor, timestep: torch.Tensor, tb: TrainingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x with its first frames replaced by the clean condition, and per-frame timesteps [B, T]:
+        the step's value, 0 on the condition frames (as the family's image-to-video pipeline feeds them)."""
+        k = tb.conditioning.clean_frames
+        x = torch.cat([tb.extras["clean_condition"].to(x.dtype), x[:, :, k:]], dim=2)
+        t = timestep.float().reshape(-1)[:1].expand(x.shape[0], x.shape[2]).clone()
+        t[:, :k] = 0.0
+        return x, t
+
+    def predict_x0(self, role: ModelBase, x: torch.Tensor, timestep: torch.Tensor, tb: TrainingBatch, *,
+                   conditional: bool, attn_kind: str) -> torch.Tensor:
+        """A role's x0 (its own `predict_x0`); with an image-to-video condition the condition frames
+        go in clean at timestep 0 and come out as they went in."""
+        if not tb.conditioning.clean_frames:
+            return role.predict_x0(x, timestep, tb, conditional=conditional, cfg_uncond=self._cfg_uncond, attn_kind=attn_kind)
+        x_in, t_in = self._conditioned(x, timestep, tb)
+        velocity = role.predict_noise(x_in, t_in, tb, conditional=conditional, cfg_uncond=self._cfg_uncond, attn_kind=attn_kind)
+        x0 = role.training_table(x.shape).x0_from_velocity(x_in, velocity, timestep)
+        return torch.cat([x_in[:, :, : tb.conditioning.clean_frames], x0[:, :, tb.conditioning.clean_frames:]], dim=2)
+
     # ---- the rollout ----
     def student_rollout(self, tb: TrainingBatch, *, with_grad: bool) -> torch.Tensor:
         """The student's x0 at a drawn exit of its few steps (see the module docstring)."""
         latents = tb.latents
         device = latents.device
         steps = self.denoising_steps(latents.shape)
-        predict = dict(conditional=True, cfg_uncond=self._cfg_uncond, attn_kind=self._attn_kind)
+        predict = dict(conditional=True, attn_kind=self._attn_kind)
+        student = self.student
         if self._rollout_mode == "data_latent":
             timestep = steps[self._randint(len(steps), device)]
-            noisy = self.student.add_noise(latents, self._randn_like_fastvideo(latents.shape, device), timestep)
-            return self.student.predict_x0(noisy, timestep, tb, **predict)
+            noisy = student.add_noise(latents, self._randn_like_fastvideo(latents.shape, device), timestep)
+            return self.predict_x0(student, noisy, timestep, tb, **predict)
         exit_index = int(self._randint(len(steps), device).item())
         x = self._randn_like_fastvideo(latents.shape, device)
         start = x.clone()
         renoised: list[torch.Tensor] = []
         with torch.no_grad():
             for k in range(len(steps) - 1):
-                x0 = self.student.predict_x0(x, steps[k : k + 1], tb, **predict)
+                x0 = self.predict_x0(student, x, steps[k : k + 1], tb, **predict)
                 x = self.student.add_noise(x0, self._randn_like_fastvideo(latents.shape, device), steps[k + 1 : k + 2])
                 renoised.append(x.clone())
         noisy = renoised[exit_index - 1] if exit_index > 0 else start
         with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
-            return self.student.predict_x0(noisy, steps[exit_index : exit_index + 1], tb, **predict)
+            return self.predict_x0(student, noisy, steps[exit_index : exit_index + 1], tb, **predict)
 
     # ---- the losses ----
     def dmd_loss(self, generator_x0: torch.Tensor, tb: TrainingBatch) -> torch.Tensor:
         """0.5 * ||x0 - sg(x0 - g)||^2 with g = (critic x0 - teacher's guided x0) / mean|x0 - teacher's guided x0|."""
         device = generator_x0.device
-        dense = dict(cfg_uncond=self._cfg_uncond, attn_kind="dense")
         with torch.no_grad():
             timestep = self.sample_score_timestep(generator_x0.shape, device)
             noise = self._randn_like_fastvideo(generator_x0.shape, device)
             noisy = self.student.add_noise(generator_x0, noise, timestep)
-            fake_x0 = self.critic.predict_x0(noisy, timestep, tb, conditional=True, **dense)
-            real_cond = self.teacher.predict_x0(noisy, timestep, tb, conditional=True, **dense)
-            real_uncond = self.teacher.predict_x0(noisy, timestep, tb, conditional=False, **dense)
+            fake_x0 = self.predict_x0(self.critic, noisy, timestep, tb, conditional=True, attn_kind="dense")
+            real_cond = self.predict_x0(self.teacher, noisy, timestep, tb, conditional=True, attn_kind="dense")
+            real_uncond = self.predict_x0(self.teacher, noisy, timestep, tb, conditional=False, attn_kind="dense")
             real_x0 = real_uncond + (real_cond - real_uncond) * self._guidance
-            denom = torch.abs(generator_x0 - real_x0).mean()
+            k = tb.conditioning.clean_frames  # the condition frames carry no loss
+            fake_x0, real_x0 = fake_x0[:, :, k:], real_x0[:, :, k:]
+            denom = torch.abs(generator_x0[:, :, k:] - real_x0).mean()
             grad = torch.nan_to_num((fake_x0 - real_x0) / denom)
-        x0 = generator_x0.float()
+        x0 = generator_x0[:, :, k:].float()  # sliced outside no_grad: the student's gradient flows through it
         return 0.5 * F.mse_loss(x0, (x0 - grad.float()).detach())
 
     def critic_loss(self, tb: TrainingBatch) -> torch.Tensor:
@@ -315,8 +342,12 @@ class DMD2Method(TrainingMethod):
         timestep = self.sample_score_timestep(generator_x0.shape, device)
         noise = self._randn_like_fastvideo(generator_x0.shape, device)
         noisy = self.student.add_noise(generator_x0, noise, timestep)
-        pred = self.critic.predict_noise(noisy, timestep, tb, conditional=True, cfg_uncond=self._cfg_uncond, attn_kind="dense")
-        return torch.mean((pred.float() - (noise - generator_x0).float()) ** 2)
+        k = tb.conditioning.clean_frames
+        model_t = timestep
+        if k:  # the condition frames go in clean, at timestep 0, and carry no loss
+            noisy, model_t = self._conditioned(noisy, timestep, tb)
+        pred = self.critic.predict_noise(noisy, model_t, tb, conditional=True, cfg_uncond=self._cfg_uncond, attn_kind="dense")
+        return torch.mean((pred.float() - (noise - generator_x0).float())[:, :, k:] ** 2)
 
     # ---- the public face ----
     def single_train_step(
