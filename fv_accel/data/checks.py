@@ -38,8 +38,9 @@ def _shape_problem(shape: Any, column: str, expected: str, ndims: Sequence[int])
 UNCHECKED = -1
 
 
-def _row_problem(latent: tuple, text: tuple) -> Optional[str]:
-    """latent / text: (shape, dtype, number of bytes, or UNCHECKED) of one row."""
+def row_problem(latent: tuple, text: tuple) -> Optional[str]:
+    """What is wrong with a row's latent and text embedding as stored, or None. latent / text:
+    (shape, dtype, number of bytes, or UNCHECKED) of one row."""
     problem = _shape_problem(latent[0], "vae_latent_shape", "[C, T, H, W]", (4,))
     if problem is None and min(int(s) for s in latent[0]) < 1:
         problem = f"vae_latent_shape {list(latent[0])}: the latent is empty"
@@ -101,7 +102,7 @@ def check_stored_rows(dataset: Any) -> None:
     def problem(lat: tuple, txt: tuple) -> Optional[str]:
         key = tuple(tuple(v) if isinstance(v, list) else v for v in (*lat, *txt))
         if key not in judged:
-            judged[key] = _row_problem(lat, txt)
+            judged[key] = row_problem(lat, txt)
         return judged[key]
 
     latents, texts = columns("vae_latent"), columns("text_embedding")
