@@ -635,7 +635,9 @@ class Trainer:
         self._set_vsa_step(self.step + 1)
         for _ in range(loop.accumulation):
             td = time.perf_counter()
-            batch = next(data_iter)
+            batch = next(data_iter, None)
+            if batch is None:
+                self._stop_without_data()
             out.data_wait += time.perf_counter() - td
             out.micro_samples.append(
                 {"source": batch.get("source"), "nonfinite": batch.get("nonfinite"), "sample_index": batch.get("sample_index")}
@@ -737,6 +739,13 @@ class Trainer:
 
             rows = gather_object(rows)
         return bool(rows) and bool(self.dataloader.set_aside(rows, epoch=int(out.last_batch["epoch"][0]), step=self.step + 1))
+
+    def _stop_without_data(self) -> None:
+        """The data ended (the rows set aside leave no step, `TrainLoader.no_step_message`), at a step
+        boundary on every rank: a checkpoint, then TrainingStopped."""
+        self._progress.close()
+        ckpt = self.save_checkpoint()
+        raise TrainingStopped(f"stopped: {self.dataloader.no_step_message()}; checkpoint saved in {ckpt}", ckpt)
 
     def _count_step(self, out: "StepOutcome") -> None:
         acc = self.accelerator

@@ -20,7 +20,7 @@ from fv_accel.checkpoint import latest_checkpoint, read_metadata
 from fv_accel.data.inspect import main as inspect_main
 from fv_accel.data.loader import BucketBatchSampler, LatentDataset, TrainLoader
 from fv_accel.data.schema import make_row, tensor_columns, write_dataset_info, write_rows
-from fv_accel.trainer import Trainer, TrainerCallback, skipped_step_warnings_silenced
+from fv_accel.trainer import Trainer, TrainerCallback, TrainingStopped, skipped_step_warnings_silenced
 from tests.resume_helpers import build, small_overrides, weights
 
 SHARD = "data-00000-of-00001.parquet"
@@ -81,16 +81,25 @@ def test_mixing_skips_a_later_group_holding_a_set_aside_row_in_its_own_epoch():
     assert [s for [(_, e, s)] in drawn if e == 0] == [s for s, g in enumerate(groups) if g != [0]]
 
 
-def test_setting_aside_the_rows_a_step_needs_is_one_line(tmp_path):
+def test_a_run_whose_set_aside_rows_leave_no_step_stops_in_one_line_with_a_checkpoint(tmp_path):
     data = _dataset(tmp_path / "d", _rows(2, bad={1: ("latent", math.nan)}))
-    dataset = LatentDataset(data)
-    loader = TrainLoader(dataset, BucketBatchSampler([dataset.bucket_key(i) for i in range(2)], batch_size=2))
-    with pytest.raises(ValueError) as err:
-        loader.set_aside([1], epoch=0, step=1)
+    over = small_overrides(tmp_path / "out", data, **{
+        "training.data.train_batch_size": 2,
+        "training.loop.gradient_accumulation_steps": 1,
+        "training.loop.max_train_steps": 3,
+        "callbacks.ema.enable": False,
+    })
+    trainer = Trainer(build("finetune", over))
+    with pytest.raises(TrainingStopped) as err:
+        trainer.run()
     text = str(err.value)
     assert "\n" not in text
-    assert text.startswith(f"no step can be taken once the row(s) whose data holds NaN/inf are set aside ({data}/{SHARD} row 1 (id 'tiny-0001.mp4')): ")
-    assert "python -m fv_accel.data.inspect DATA --check" in text
+    assert text == (
+        f"stopped: no step can be taken once the row(s) whose data holds NaN/inf are set aside ({data}/{SHARD} row 1 "
+        "(id 'tiny-0001.mp4')): no bucket holds the 2 samples a step takes; find such rows with `python -m "
+        f"fv_accel.data.inspect DATA --check` and preprocess those clips again; checkpoint saved in {tmp_path}/out/checkpoint-1"
+    )
+    assert read_metadata(err.value.checkpoint)["data"]["set_aside"] == [{"index": 1, "epoch": 0, "step": 1}]
 
 
 # ---- training: one skipped step, the row named once, the others in order, resume keeps it aside ----
@@ -274,3 +283,54 @@ def test_inspect_check_on_the_nan_dataset_of_a_run(tmp_path, capsys):
         "check: 4 row(s) read; 1 problem(s):",
         f"  {data}/{SHARD} row 1 (id 'tiny-0001.mp4'): vae_latent: 1 of 768 value(s) are NaN/inf",
     ]
+
+
+# ---- two processes: the rank that drew the row tells the others ----
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_two_processes_set_the_row_aside_on_both_ranks(tmp_path):
+    import subprocess
+    import sys
+
+    from fv_accel.config import default_recipe
+    from tests.launch_helpers import ANY_FREE_PORT
+
+    repo = Path(__file__).resolve().parent.parent
+    data = _dataset(tmp_path / "d", _rows(4, bad={1: ("latent", math.nan)}))
+    out = tmp_path / "out"
+    over = small_overrides(out, data, **{
+        "training.loop.gradient_accumulation_steps": 1,
+        "training.loop.max_train_steps": 8,
+        "callbacks.ema.enable": False,
+    })
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"out_root": str(tmp_path / "records"),
+                                "runs": [{"name": "aside", "recipe": str(default_recipe("finetune")), "overrides": over}]}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    env.pop("ACCELERATE_USE_CPU", None)
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+           str(repo / "accelerate_configs" / "cpu_2proc.yaml"), "--num_processes", "2", *ANY_FREE_PORT,
+           str(repo / "tests" / "dist_driver.py"), str(spec)]
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    records = [json.loads((tmp_path / "records" / "aside" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world_size"] for r in records] == [2, 2]
+    found = [(r["rank"], s + 1) for r in records for s in (0, 1) if 1 in r["steps"][s]["samples"]]
+    assert len(found) == 1  # drawn by one rank in epoch 0 (2 steps of 2 rows) ...
+    (rank, step), = found
+    for record in records:  # ... and by neither rank in the 6 steps after
+        assert len(record["steps"]) == 8
+        assert all(1 not in step["samples"] for step in record["steps"][2:])
+    warnings_logged = [line for line in log.splitlines() if line.startswith("WARNING")]
+    # The main process warns of the skipped step, and the one that drew the row, naming it.
+    assert [line.split(": ")[1] for line in warnings_logged if "skipped step" in line] == \
+        [f"skipped step {step} (1 skipped in all)"] * (1 if rank == 0 else 2)
+    (named,) = [line for line in warnings_logged if "tiny-0001" in line]
+    assert named.endswith(f"row 1 (id 'tiny-0001.mp4') [NaN/inf in its data], set aside for the rest of the run (process {rank})")
+    summary = json.loads((out / "logs" / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1
+    assert summary["skipped_samples"] == [{"file": f"{data}/{SHARD}", "row": 1, "id": "tiny-0001.mp4", "step": step}]
+    assert "lr_scheduler.step()" not in log

@@ -474,10 +474,7 @@ class BucketBatchSampler:
         epoch, start = self.position.epoch, self.position.step_in_epoch
         while True:
             if not self.trains_in(epoch):
-                raise ValueError(
-                    f"epoch {epoch} has no step: no bucket holds the {self.group_size} samples a step takes once the "
-                    f"{len(self.set_aside)} row(s) set aside for NaN/inf in their data are left out"
-                )
+                return  # the rows set aside leave no step: the end of the data (TrainLoader.no_step_message)
             groups = self.epoch_groups(epoch)
             if self.dropped_per_epoch and start == 0:
                 logger.info(
@@ -535,19 +532,22 @@ class TrainLoader:
         out of training for the rest of the run; every rank calls this with the same rows after the
         same step. Returns the rows new to the set. A pass already started (its prefetched batches)
         still holds what it drew: the caller starts a new one (`iter`), which continues after the last
-        finished step. A ValueError when no step can be taken without them."""
+        finished step. When no later epoch can take a step without them, the data ends after this
+        epoch (`no_step_message` says why)."""
         new = sorted({int(i) for i in rows} - self.set_aside_rows.keys())
         for i in new:
             self.set_aside_rows[i] = {"epoch": int(epoch), "step": int(step)}
             self.sampler.set_aside[i] = int(epoch)
-        if new and not self.sampler.trains_in(int(epoch) + 1):
-            names = "; ".join(self.dataset.describe(i) for i in sorted(self.set_aside_rows))
-            raise ValueError(
-                f"no step can be taken once the row(s) whose data holds NaN/inf are set aside ({names}): no bucket "
-                f"holds the {self.sampler.group_size} samples a step takes; find such rows with `python -m "
-                "fv_accel.data.inspect DATA --check` and preprocess those clips again"
-            )
         return new
+
+    def no_step_message(self) -> str:
+        """Why the data ended: the rows set aside leave no bucket a step's worth of samples."""
+        names = "; ".join(self.dataset.describe(i) for i in sorted(self.set_aside_rows))
+        return (
+            f"no step can be taken once the row(s) whose data holds NaN/inf are set aside ({names}): no bucket "
+            f"holds the {self.sampler.group_size} samples a step takes; find such rows with `python -m "
+            "fv_accel.data.inspect DATA --check` and preprocess those clips again"
+        )
 
     def skipped_samples(self) -> list[dict]:
         """The rows set aside, in the order they were found: file, row (in the file), id and the step
