@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import warnings
+from itertools import islice
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,26 @@ def test_mixing_skips_a_later_group_holding_a_set_aside_row_in_its_own_epoch():
     assert all(i != 0 for [(i, _, _)] in drawn)
     # Epoch 0 still yields its other groups at their own positions.
     assert [s for [(_, e, s)] in drawn if e == 0] == [s for s, g in enumerate(groups) if g != [0]]
+
+
+def test_a_new_pass_after_setting_aside_draws_again_with_workers_as_without(tmp_path):
+    data = _dataset(tmp_path / "d", _rows(4, bad={0: ("latent", math.nan)}))
+
+    def draws(workers: int) -> list[tuple]:
+        dataset = LatentDataset(data)
+        sampler = BucketBatchSampler([dataset.bucket_key(i) for i in range(4)], batch_size=1)
+        loader = TrainLoader(dataset, sampler, num_workers=workers)
+        first = next(iter(loader))  # the workers have drawn batches ahead by now
+        assert first["nonfinite"] == [True] and int(first["sample_index"][0]) == 0
+        assert loader.set_aside([0], epoch=0, step=1) == [0] and loader.set_aside([0], epoch=0, step=1) == []
+        loader.mark_step_done(first)
+        batches = list(islice(iter(loader), 7))
+        return [(int(b["epoch"][0]), int(b["position"]), int(b["sample_index"][0]), b["nonfinite"][0]) for b in batches]
+
+    without_workers = draws(0)
+    assert [(e, p) for e, p, _, _ in without_workers] == [(0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (2, 0)]
+    assert all(i != 0 and not bad for _, _, i, bad in without_workers)
+    assert draws(2) == without_workers
 
 
 def test_a_run_whose_set_aside_rows_leave_no_step_stops_in_one_line_with_a_checkpoint(tmp_path):

@@ -106,9 +106,6 @@ def report(path: str, *, batch_size: int = 1, num_processes: int = 1, grad_accum
     return lines
 
 
-# The tensor columns a row may hold (FastVideo's schema, fv_accel/data/schema.py).
-CHECKED_TENSORS = ("vae_latent", "text_embedding", "first_frame_latent", "clip_feature", "pil_image",
-                   "pooled_text_embedding", "text_embedding_2")
 # Bytes read from a file at a time by the row check: with pre-buffering off, pyarrow reads the
 # pages of the row being decoded, not its whole row group.
 ROW_READ_BUFFER = 2**20
@@ -122,7 +119,7 @@ def row_problems(row: dict) -> list[str]:
 
     from fv_accel.data.checks import row_problem
     from fv_accel.data.loader import CONDITIONING_LAYOUTS, conditioning_tensor
-    from fv_accel.data.schema import read_tensor_column
+    from fv_accel.data.schema import read_tensor_column, tensor_column_names
 
     def stored(name: str) -> tuple:
         raw = row.get(f"{name}_bytes")
@@ -132,7 +129,7 @@ def row_problems(row: dict) -> list[str]:
     if problem:
         return [problem]
     found = []
-    for name in CHECKED_TENSORS:
+    for name in tensor_column_names():
         try:
             value = read_tensor_column(row, name)
             if value is not None and name in CONDITIONING_LAYOUTS:
@@ -161,14 +158,14 @@ def _file_rows(pf: Any, columns: list[str]) -> Iterator[dict]:
 
 
 def check_rows(path: str) -> tuple[int, list[str]]:
-    """Every row of the dataset read once, one row at a time (memory of about one row, never a row
-    group or a file): (rows read, one line per row with problems, naming its file, row and id, and
-    one per file that cannot be read)."""
+    """Every row of the dataset read once, one row at a time (pyarrow holds the pages being decoded,
+    a few rows at most, never a row group or a file): (rows read, one line per row with problems,
+    naming its file, row and id, and one per file that cannot be read)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from fv_accel.data.parquet_rows import unreadable
-    from fv_accel.data.schema import REQUIRED_COLUMNS, local_dataset_path, parquet_files
+    from fv_accel.data.schema import REQUIRED_COLUMNS, local_dataset_path, parquet_files, tensor_column_names
 
     read, problems = 0, []
     for file in parquet_files(local_dataset_path(path)):
@@ -179,7 +176,8 @@ def check_rows(path: str) -> tuple[int, list[str]]:
             if missing:
                 problems.append(f"{file}: missing column(s) {', '.join(missing)}")
                 continue
-            columns = [c for c in ("id", *(f"{t}_{part}" for t in CHECKED_TENSORS for part in ("bytes", "shape", "dtype"))) if c in names]
+            stored = [f"{name}_{part}" for name in tensor_column_names() for part in ("bytes", "shape", "dtype")]
+            columns = [c for c in ("id", *stored) if c in names]
             for r, row in enumerate(_file_rows(pf, columns)):
                 read += 1
                 found = row_problems(row)
