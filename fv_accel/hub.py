@@ -142,7 +142,7 @@ def _training_lines(
                  f"{loop.gradient_accumulation_steps} accumulation step(s)")
     lines.append(f"- learning rate {opt.learning_rate:g} ({opt.lr_scheduler}, {opt.lr_warmup_steps} warmup steps), weight decay {opt.weight_decay:g}")
     size = f"{data_size} training clips" if data_size is not None else "unknown size"
-    lines.append(f"- data: `{data.data_path}` ({size})")
+    lines.append(f"- data: `{data.data_path}` ({size}{_set_aside_text((summary or {}).get('skipped_samples'))})")
     lines.append(f"- text embeddings padded to {data.text_max_length} tokens")
     if summary:
         first, last, k = summary.get("first_loss_mean"), summary.get("last_loss_mean"), summary.get("loss_mean_window")
@@ -151,6 +151,18 @@ def _training_lines(
         if summary.get("best_heldout_loss") is not None:
             lines.append(f"- best held-out loss {summary['best_heldout_loss']:.4f} at step {summary.get('best_heldout_step')}")
     return lines
+
+
+def _set_aside_text(skipped: Optional[list]) -> str:
+    """The data line's note of the rows set aside in training for NaN/inf in their data (the run
+    summary's `skipped_samples`), or ''."""
+    if not skipped:
+        return ""
+    rows = "; ".join(
+        f"`{Path(s['file']).name}` row {s['row']}" + (f" (id `{s['id']}`)" if s.get("id") else "") + f", step {s['step']}"
+        for s in skipped
+    )
+    return f"; {len(skipped)} row(s) set aside when found to hold NaN/inf in their data, not trained on: {rows}"
 
 
 def _usage_notes(output_dir: Path, cfg: Any) -> list[str]:

@@ -119,6 +119,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     for key, value in summary.items():
         if isinstance(value, float):
             text = "nan" if math.isnan(value) else (f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}")
+        elif isinstance(value, list):
+            text = str(len(value))  # listed in logs/summary.json
         else:
             text = str(value)
         rows.append((key.replace("_", " "), text))

@@ -16,12 +16,13 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 
-from fv_accel.data.loader import NONFINITE_MARK, describe_samples
+from fv_accel.data.loader import NONFINITE_MARK, describe_samples, flagged_rows
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,22 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # When set, the main process writes the checkpoint's path into this file after a signal stopped the
 # run (accelerate_configs/slurm_multinode.sh requeues the job when it is there).
 STOPPED_FILE_ENV = "FV_ACCEL_STOPPED_FILE"
+
+
+# Library warnings a skipped step causes, never a bug: torch's LR scheduler says this when it steps
+# before its optimizer ever has, which a skipped first step does (the schedule follows the step
+# count, skipped steps included, so that a resume finds it where the step count says).
+SKIPPED_STEP_WARNINGS = (r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`",)
+
+
+@contextlib.contextmanager
+def skipped_step_warnings_silenced() -> Iterator[None]:
+    """Inside the block, the warnings of SKIPPED_STEP_WARNINGS are not shown (the filters before it
+    come back after it)."""
+    with warnings.catch_warnings():
+        for message in SKIPPED_STEP_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        yield
 
 
 @contextlib.contextmanager
@@ -577,7 +594,8 @@ class Trainer:
         previous_handlers = self._install_signal_handlers()
         try:
             try:
-                summary = self._train()
+                with skipped_step_warnings_silenced():
+                    summary = self._train()
             except TrainingStopped:
                 self._end_training(crashed=False)
                 raise
@@ -624,7 +642,11 @@ class Trainer:
         while self.step < loop.max_steps:
             t0 = time.perf_counter()
             outcome = self._train_step(data_iter, loop)
+            rows_set_aside = self._set_aside_flagged_rows(outcome)
             self._count_step(outcome)
+            if rows_set_aside:
+                # Batches drawn ahead may hold those rows: draw again after the finished step.
+                data_iter = device_prefetch(self.dataloader, acc.device)
             outcome.step_time = time.perf_counter() - t0
             tally.add(outcome, loop.data_parallel)
             self._log_step(outcome, loop, tally, telemetry)
@@ -648,9 +670,13 @@ class Trainer:
         self._set_vsa_step(self.step + 1)
         for _ in range(loop.accumulation):
             td = time.perf_counter()
-            batch = next(data_iter)
+            batch = next(data_iter, None)
+            if batch is None:
+                self._stop_without_data()
             out.data_wait += time.perf_counter() - td
-            out.micro_samples.append({"source": batch.get("source"), "nonfinite": batch.get("nonfinite")})
+            out.micro_samples.append(
+                {"source": batch.get("source"), "nonfinite": batch.get("nonfinite"), "sample_index": batch.get("sample_index")}
+            )
             with acc.accumulate(*loop.models):
                 self._micro_step(batch, out, loop)
                 if acc.sync_gradients and self.steps_in_backward:
@@ -756,7 +782,29 @@ class Trainer:
             rank = f" (process {acc.process_index})" if acc.num_processes > 1 else ""
             out.fault += f"; {describe_samples(out.micro_samples)}{rank}"
 
-    # ---- fault handling: the step counted, a skipped step reported, a fault policy's stop ----
+    # ---- fault handling: rows with NaN/inf set aside, the step counted, a skipped step reported, a fault policy's stop ----
+    def _set_aside_flagged_rows(self, out: "StepOutcome") -> bool:
+        """After a step with a fault: the step's rows whose own data holds NaN/inf, on any rank, are
+        set aside for the rest of the run on every rank (`TrainLoader.set_aside`; kept in checkpoints).
+        Every rank knows whether the step had a fault (its check is agreed), so all of them take part
+        in the one gather of the rows, only on such a step. True when rows were new to the set."""
+        acc = self.accelerator
+        if out.fault is None:
+            return False
+        rows = flagged_rows(out.micro_samples)
+        if acc.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            rows = gather_object(rows)
+        return bool(rows) and bool(self.dataloader.set_aside(rows, epoch=int(out.last_batch["epoch"][0]), step=self.step + 1))
+
+    def _stop_without_data(self) -> None:
+        """The data ended (the rows set aside leave no step, `TrainLoader.no_step_message`), at a step
+        boundary on every rank: a checkpoint, then TrainingStopped."""
+        self._progress.close()
+        ckpt = self.save_checkpoint()
+        raise TrainingStopped(f"stopped: {self.dataloader.no_step_message()}; checkpoint saved in {ckpt}", ckpt)
+
     def _count_step(self, out: "StepOutcome") -> None:
         acc = self.accelerator
         self.dataloader.mark_step_done(out.last_batch)
@@ -877,6 +925,8 @@ class Trainer:
             "last_loss": self.history[-1]["loss"] if self.history else math.nan,
             **smoothed_loss_ends(self.history),
             "skipped_steps": self.skipped_steps,
+            # Rows set aside for NaN/inf in their own data: file, row, id and the step that found each.
+            "skipped_samples": self.dataloader.skipped_samples(),
             "stopped_by": stopped_by,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }

@@ -259,7 +259,7 @@ def test_workers_give_the_same_batches_and_resume_exactly(tmp_path):
     for x, y in zip(got, reference):
         _same_batch(x, y)
     state = with_workers.state_dict()
-    assert state == {"epoch": 0, "step_in_epoch": 5, "group_size": 2}
+    assert state == {"epoch": 0, "step_in_epoch": 5, "group_size": 2, "set_aside": []}
     resumed = _loader(data, 2)
     resumed.load_state_dict(state)
     for x, y in zip(islice(iter(resumed), 9), reference[5:], strict=True):

@@ -109,7 +109,7 @@ def test_loader_position_resumes_where_it_stopped(mixed_shapes):
     for _ in range(11):  # stop inside the second epoch
         first.mark_step_done(next(it))
     state = first.state_dict()
-    assert state == {"epoch": 1, "step_in_epoch": 3, "group_size": 2}
+    assert state == {"epoch": 1, "step_in_epoch": 3, "group_size": 2, "set_aside": []}
     resumed = loader()
     resumed.load_state_dict(state)
     assert [b["sample_index"].tolist() for b in islice(iter(resumed), 9)] == reference[11:]

@@ -337,7 +337,7 @@ def test_nan_row_is_named_in_the_skip_warning(tmp_path, caplog):
     assert summary["skipped_steps"] == 1
     (warning,) = [r.getMessage() for r in caplog.records if "skipped step" in r.getMessage()]
     assert warning.startswith("skipped step 1 (1 skipped in all): non-finite loss at step 1: loss=nan")
-    assert warning.endswith(f"samples: {data}/data.parquet row 1 (id 'clip-1') [NaN/inf in its data]")
+    assert warning.endswith(f"samples: {data}/data.parquet row 1 (id 'clip-1') [NaN/inf in its data], set aside for the rest of the run")
 
 
 def test_samples_no_step_can_take_are_counted_at_start(tmp_path, caplog):

@@ -38,9 +38,10 @@ def _shape_problem(shape: Any, column: str, expected: str, ndims: Sequence[int])
 UNCHECKED = -1
 
 
-def _row_problem(latent: Optional[tuple], text: tuple) -> Optional[str]:
-    """latent / text: (shape, dtype, number of bytes, or UNCHECKED) of one row; latent None for a
-    row of a text-only dataset."""
+def row_problem(latent: Optional[tuple], text: tuple) -> Optional[str]:
+    """What is wrong with a row's latent and text embedding as stored, or None. latent / text:
+    (shape, dtype, number of bytes, or UNCHECKED) of one row; latent None for a row of a text-only
+    dataset."""
     problem = None
     if latent is not None:
         problem = _shape_problem(latent[0], "vae_latent_shape", "[C, T, H, W]", (4,))
@@ -106,7 +107,7 @@ def check_stored_rows(dataset: Any) -> None:
     def problem(lat: Optional[tuple], txt: tuple) -> Optional[str]:
         key = tuple(tuple(v) if isinstance(v, list) else v for v in (*(lat or ()), *txt))
         if key not in judged:
-            judged[key] = _row_problem(lat, txt)
+            judged[key] = row_problem(lat, txt)
         return judged[key]
 
     texts = columns("text_embedding")

@@ -1,11 +1,14 @@
 """What a latent dataset holds, opened as training opens it (`LatentDataset`: footers and shape
 columns, nothing copied); writes nothing.
 
-    python -m fv_accel.data.inspect PATH [--batch_size B --num_processes P --grad_accum A]
+    python -m fv_accel.data.inspect PATH [--batch_size B --num_processes P --grad_accum A] [--check]
 
 Prints rows, files, row groups, bytes, dtypes, (T, H, W) buckets with their counts, whether the
 latent statistics are recorded (fv_dataset.json), the rows no step can take at B x P x A samples a
 step, and the open time. Exit status 2 with one `error: ...` line when the dataset cannot be opened.
+
+`--check` then reads every row once, one at a time, and lists the rows whose stored tensors cannot
+be decoded, have the wrong shape or dtype, or hold NaN/inf (file, row, id): exit status 1 if any.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import argparse
 import sys
 import time
 from collections import Counter
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 _STARTED = time.perf_counter()
 
@@ -105,6 +108,107 @@ def report(path: str, *, batch_size: int = 1, num_processes: int = 1, grad_accum
     return lines
 
 
+# Bytes read from a file at a time by the row check: with pre-buffering off, pyarrow reads the
+# pages of the row being decoded, not its whole row group.
+ROW_READ_BUFFER = 2**20
+
+
+def row_problems(row: dict) -> list[str]:
+    """What is wrong with one stored row: its latent's and text embedding's shapes, dtypes and byte
+    lengths (fv_accel.data.checks.row_problem), then every tensor column decoded and checked for
+    NaN/inf (and an image-to-video column against its layout). Empty when nothing is."""
+    import torch
+
+    from fv_accel.data.checks import row_problem
+    from fv_accel.data.loader import CONDITIONING_LAYOUTS, conditioning_tensor
+    from fv_accel.data.schema import read_tensor_column, tensor_column_names
+
+    def stored(name: str) -> tuple:
+        raw = row.get(f"{name}_bytes")
+        return row.get(f"{name}_shape"), row.get(f"{name}_dtype"), None if raw is None else len(raw)
+
+    latent = stored("vae_latent") if "vae_latent_bytes" in row else None  # none in a text-only row
+    problem = row_problem(latent, stored("text_embedding"))
+    if problem:
+        return [problem]
+    found = []
+    for name in tensor_column_names():
+        try:
+            value = read_tensor_column(row, name)
+            if value is not None and name in CONDITIONING_LAYOUTS:
+                value = conditioning_tensor(name, value, tuple(int(v) for v in row["vae_latent_shape"]), "")
+        except ValueError as err:
+            found.append(str(err))
+            continue
+        if value is not None and value.is_floating_point():
+            bad = int((~torch.isfinite(value)).sum())
+            if bad:
+                found.append(f"{name}: {bad} of {value.numel()} value(s) are NaN/inf")
+    return found
+
+
+def _file_rows(pf: Any, columns: list[str]) -> Iterator[dict]:
+    """The rows of a Parquet file, one at a time: binary values as pyarrow buffers."""
+    import pyarrow as pa
+
+    for batch in pf.iter_batches(batch_size=1, columns=columns):
+        row = {}
+        for name in batch.schema.names:
+            value = batch.column(name)[0]
+            binary = pa.types.is_binary(value.type) or pa.types.is_large_binary(value.type)
+            row[name] = (value.as_buffer() if value.is_valid else None) if binary else value.as_py()
+        yield row
+
+
+def check_rows(path: str) -> tuple[int, list[str]]:
+    """Every row of the dataset read once, one row at a time (pyarrow holds the pages being decoded,
+    a few rows at most, never a row group or a file): (rows read, one line per row with problems,
+    naming its file, row and id, and one per file that cannot be read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fv_accel.data.parquet_rows import unreadable
+    from fv_accel.data.schema import REQUIRED_COLUMNS, local_dataset_path, parquet_files, tensor_column_names
+
+    read, problems = 0, []
+    for file in parquet_files(local_dataset_path(path)):
+        try:
+            pf = pq.ParquetFile(file, pre_buffer=False, buffer_size=ROW_READ_BUFFER)
+            names = set(pf.schema_arrow.names)
+            missing = [c for c in REQUIRED_COLUMNS if c not in names]
+            if missing:
+                problems.append(f"{file}: missing column(s) {', '.join(missing)}")
+                continue
+            stored = [f"{name}_{part}" for name in tensor_column_names() for part in ("bytes", "shape", "dtype")]
+            columns = [c for c in ("id", *stored) if c in names]
+            for r, row in enumerate(_file_rows(pf, columns)):
+                read += 1
+                found = row_problems(row)
+                if found:
+                    ident = f" (id {row['id']!r})" if row.get("id") else ""
+                    problems.append(f"{file} row {r}{ident}: {'; '.join(found)}")
+        except (OSError, pa.ArrowException) as err:
+            problems.append(str(unreadable(file, err)))
+    return read, problems
+
+
+def _check(path: str, opened: bool) -> int:
+    """`--check`: the row check's lines; exit status 1 for any problem, 2 when only the open failed
+    (whose `error: ...` line is printed already)."""
+    try:
+        read, problems = check_rows(path)
+    except (ValueError, FileNotFoundError) as err:
+        if opened:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not problems:
+        print(f"check: {read} row(s) read, no problems")
+        return 0 if opened else 2
+    print(f"check: {read} row(s) read; {len(problems)} problem(s):")
+    print("\n".join(f"  {line}" for line in problems))
+    return 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from fv_accel.process import DefaultsHelpFormatter
 
@@ -115,6 +219,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--batch_size", type=int, default=1, help="training.data.train_batch_size")
     p.add_argument("--num_processes", type=int, default=1, help="training processes (GPUs)")
     p.add_argument("--grad_accum", type=int, default=1, help="training.loop.gradient_accumulation_steps")
+    p.add_argument("--check", action="store_true",
+                   help="read every row and list those that cannot be decoded, have wrong shapes or dtypes, or hold NaN/inf")
     args = p.parse_args(argv)
     for name in ("batch_size", "num_processes", "grad_accum"):
         if getattr(args, name) < 1:
@@ -124,9 +230,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         lines = report(args.path, batch_size=args.batch_size, num_processes=args.num_processes, grad_accum=args.grad_accum)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _check(args.path, opened=False) if args.check else 2
     print("\n".join(lines))
-    return 0
+    return _check(args.path, opened=True) if args.check else 0
 
 
 if __name__ == "__main__":

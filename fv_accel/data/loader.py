@@ -128,11 +128,16 @@ class LatentDataset(Dataset):
             return TEXT_ONLY
         return "i2v" if "first_frame_latent" in self.conditioning_columns else "t2v"
 
-    def describe(self, index: int) -> str:
-        """Where row `index` lives, for messages: '<file> row <row in file> (id <id>)'."""
+    def row_location(self, index: int) -> dict:
+        """Where row `index` lives: {"file", "row" (in the file), "id" (None without an id column)}."""
         k = bisect.bisect_right(self.file_starts, int(index)) - 1
         ident = self.ids[int(index)] if self.ids is not None else None
-        return f"{self.files[k]} row {int(index) - self.file_starts[k]}" + (f" (id {ident!r})" if ident else "")
+        return {"file": self.files[k], "row": int(index) - self.file_starts[k], "id": ident}
+
+    def describe(self, index: int) -> str:
+        """Where row `index` lives, for messages: '<file> row <row in file> (id <id>)'."""
+        where = self.row_location(index)
+        return f"{where['file']} row {where['row']}" + (f" (id {where['id']!r})" if where["id"] else "")
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -314,11 +319,13 @@ def collate(items: list[dict]) -> dict:
 
 
 NONFINITE_MARK = "[NaN/inf in its data]"
+SET_ASIDE_TEXT = "set aside for the rest of the run"
 
 
 def describe_samples(batches: Sequence[dict]) -> str:
     """The samples of a step's micro-batches, those holding NaN or infinite values marked (for the
-    trainer's skipped-step warning)."""
+    trainer's warning about a step with a non-finite loss, which sets those rows aside:
+    `TrainLoader.set_aside`)."""
     names, flagged = [], []
     for batch in batches:
         for source, bad in zip(batch.get("source") or [], batch.get("nonfinite") or []):
@@ -327,7 +334,18 @@ def describe_samples(batches: Sequence[dict]) -> str:
                 flagged.append(f"{source} {NONFINITE_MARK}")
     if not names:
         return ""
-    return "samples: " + "; ".join(flagged or names)
+    return "samples: " + ("; ".join(flagged) + f", {SET_ASIDE_TEXT}" if flagged else "; ".join(names))
+
+
+def flagged_rows(batches: Sequence[dict]) -> list[int]:
+    """The rows of a step's micro-batches whose own data holds NaN or infinite values (flagged when
+    read, `LatentDataset.__getitem__`)."""
+    rows = []
+    for batch in batches:
+        indices = batch.get("sample_index")
+        indices = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices or [])
+        rows += [int(i) for i, bad in zip(indices, batch.get("nonfinite") or []) if bad]
+    return rows
 
 
 @dataclass
@@ -367,6 +385,12 @@ class BucketBatchSampler:
         self.weights = list(weights) if weights is not None else None
         # Rows never yielded (a held-out split carved out of the training data, fv_accel/validation.py).
         self.exclude_indices = frozenset(int(i) for i in exclude_indices or ())
+        # Rows set aside during the run for NaN/inf in their own data (TrainLoader.set_aside): index ->
+        # the epoch of the step that drew it. From the next epoch on such a row is left out before
+        # the shuffle, so the other rows' order is the one a dataset without it would have; in its
+        # own epoch, whose order was fixed when the epoch began, a later group holding it (possible
+        # only with mixing's draws with replacement) is skipped whole.
+        self.set_aside: dict[int, int] = {}
         self.group_size = batch_size * world_size * grad_accum
         self.position = LoaderPosition()
         self.dropped_per_epoch = 0
@@ -399,18 +423,33 @@ class BucketBatchSampler:
                 shapes,
             )
 
-    def _buckets(self) -> dict[tuple, list[int]]:
+    def _left_out(self, epoch: Optional[int]) -> frozenset:
+        """Rows no group of `epoch` holds: the excluded ones and those set aside in an earlier epoch
+        (None: the excluded ones only)."""
+        if epoch is None or not self.set_aside:
+            return self.exclude_indices
+        return self.exclude_indices | {i for i, found in self.set_aside.items() if found < epoch}
+
+    def _buckets(self, epoch: Optional[int] = None) -> dict[tuple, list[int]]:
+        left_out = self._left_out(epoch)
         buckets: dict[tuple, list[int]] = defaultdict(list)
         for i, key in enumerate(self.bucket_keys):
-            if i not in self.exclude_indices:
+            if i not in left_out:
                 buckets[key].append(i)
         return buckets
+
+    def trains_in(self, epoch: int) -> bool:
+        """Whether epoch `epoch` can hold a step, given the rows left out before it."""
+        buckets = self._buckets(epoch)
+        if self.weights is not None:
+            return any(buckets.values())  # drawn with replacement: one row can fill a step
+        return any(len(idx) >= self.group_size for idx in buckets.values())
 
     def epoch_groups(self, epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         groups: list[list[int]] = []
         dropped = 0
-        buckets = self._buckets() if self.weights is None else self._weighted_buckets(g)
+        buckets = self._buckets(epoch) if self.weights is None else self._weighted_buckets(g, epoch)
         for key in sorted(buckets):
             idx = buckets[key]
             if self.shuffle:
@@ -423,13 +462,14 @@ class BucketBatchSampler:
         self.dropped_per_epoch = dropped
         return groups
 
-    def _weighted_buckets(self, g: torch.Generator) -> dict[tuple, list[int]]:
+    def _weighted_buckets(self, g: torch.Generator, epoch: int) -> dict[tuple, list[int]]:
         """Multi-dataset mixing: an epoch is as many draws (with replacement) as there are samples,
         each sample drawn with probability proportional to its weight, then bucketed. Drawing over
         the whole dataset, not per bucket, keeps the datasets' shares right when they differ in shape."""
         w = torch.tensor(self.weights, dtype=torch.float64)
-        if self.exclude_indices:
-            w[sorted(self.exclude_indices)] = 0.0
+        left_out = self._left_out(epoch)
+        if left_out:
+            w[sorted(left_out)] = 0.0
         draws = torch.multinomial(w, num_samples=len(self.bucket_keys), replacement=True, generator=g)
         buckets: dict[tuple, list[int]] = defaultdict(list)
         for i in draws.tolist():
@@ -455,6 +495,8 @@ class BucketBatchSampler:
     def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
         epoch, start = self.position.epoch, self.position.step_in_epoch
         while True:
+            if not self.trains_in(epoch):
+                return  # the rows set aside leave no step: the end of the data (TrainLoader.no_step_message)
             groups = self.epoch_groups(epoch)
             if self.dropped_per_epoch and start == 0:
                 logger.info(
@@ -465,6 +507,8 @@ class BucketBatchSampler:
                 )
             for step in range(start, len(groups)):
                 group = groups[step]
+                if self.set_aside and not self.set_aside.keys().isdisjoint(group):
+                    continue
                 for micro in range(self.grad_accum):
                     part = micro * self.world_size + self.rank
                     chunk = group[part * self.batch_size : (part + 1) * self.batch_size]
@@ -498,6 +542,9 @@ class TrainLoader:
         self.off_shape_indices: list[int] = []
         # Latent tokens of one sample of a text-only dataset's rollout (set by build_train_loader).
         self.rollout_tokens = 0
+        # Rows set aside for NaN/inf in their own data: index -> {"epoch", "step"} of the step that
+        # drew it (`set_aside`); kept in checkpoints.
+        self.set_aside_rows: dict[int, dict] = {}
         self._consumed = LoaderPosition(sampler.position.epoch, sampler.position.step_in_epoch)
 
     @property
@@ -514,8 +561,36 @@ class TrainLoader:
         return latent.shape[0] * latent_tokens(latent.shape[1:])
 
     def num_training_rows(self) -> int:
-        """Rows training draws from: the dataset's, less the held-out and off-shape ones."""
-        return len(self.dataset) - len(self.sampler.exclude_indices)
+        """Rows training draws from: the dataset's, less the held-out, off-shape and set-aside ones."""
+        return len(self.dataset) - len(self.sampler.exclude_indices | self.set_aside_rows.keys())
+
+    def set_aside(self, rows: Sequence[int], *, epoch: int, step: int) -> list[int]:
+        """Leave `rows` (whose own data holds NaN/inf, drawn by optimizer step `step` of epoch `epoch`)
+        out of training for the rest of the run; every rank calls this with the same rows after the
+        same step. Returns the rows new to the set. A pass already started (its prefetched batches)
+        still holds what it drew: the caller starts a new one (`iter`), which continues after the last
+        finished step. When no later epoch can take a step without them, the data ends after this
+        epoch (`no_step_message` says why)."""
+        new = sorted({int(i) for i in rows} - self.set_aside_rows.keys())
+        for i in new:
+            self.set_aside_rows[i] = {"epoch": int(epoch), "step": int(step)}
+            self.sampler.set_aside[i] = int(epoch)
+        return new
+
+    def no_step_message(self) -> str:
+        """Why the data ended: the rows set aside leave no bucket a step's worth of samples."""
+        names = "; ".join(self.dataset.describe(i) for i in sorted(self.set_aside_rows))
+        return (
+            f"no step can be taken once the row(s) whose data holds NaN/inf are set aside ({names}): no bucket "
+            f"holds the {self.sampler.group_size} samples a step takes; find such rows with `python -m "
+            "fv_accel.data.inspect DATA --check` and preprocess those clips again"
+        )
+
+    def skipped_samples(self) -> list[dict]:
+        """The rows set aside, in the order they were found: file, row (in the file), id and the step
+        that drew each."""
+        found = sorted(self.set_aside_rows.items(), key=lambda item: (item[1]["step"], item[0]))
+        return [{**self.dataset.row_location(i), "step": record["step"]} for i, record in found]
 
     def __iter__(self) -> Iterator[dict]:
         # A new pass starts after the last finished step (prefetched batches are not "consumed").
@@ -544,11 +619,24 @@ class TrainLoader:
         self._consumed = LoaderPosition(int(batch["epoch"][0]), int(batch["position"]) + 1)
 
     def state_dict(self) -> dict:
-        return {"epoch": self._consumed.epoch, "step_in_epoch": self._consumed.step_in_epoch, "group_size": self.sampler.group_size}
+        return {
+            "epoch": self._consumed.epoch,
+            "step_in_epoch": self._consumed.step_in_epoch,
+            "group_size": self.sampler.group_size,
+            "set_aside": [{"index": i, **record} for i, record in sorted(self.set_aside_rows.items())],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
         self._consumed = LoaderPosition(self.sampler.position.epoch, self.sampler.position.step_in_epoch)
+        self.set_aside_rows = {}
+        self.sampler.set_aside = {}
+        for record in state.get("set_aside") or []:
+            index = int(record["index"])
+            if not 0 <= index < len(self.dataset):
+                raise ValueError(f"set-aside row {index} is not a row of {self.dataset.data_path} ({len(self.dataset)} rows)")
+            self.set_aside_rows[index] = {"epoch": int(record["epoch"]), "step": int(record["step"])}
+            self.sampler.set_aside[index] = int(record["epoch"])
 
     @property
     def epoch(self) -> int:
@@ -693,6 +781,14 @@ class ConcatLatentDataset(Dataset):
     def bucket_key(self, i: int) -> tuple:
         part, j = self._locate(i)
         return part.bucket_key(j)
+
+    def row_location(self, i: int) -> dict:
+        part, j = self._locate(i)
+        return part.row_location(j)
+
+    def describe(self, i: int) -> str:
+        part, j = self._locate(i)
+        return part.describe(j)
 
     def __getitem__(self, key: Any) -> dict:
         index, epoch, position = key if isinstance(key, tuple) else (key, 0, 0)

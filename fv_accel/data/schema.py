@@ -32,6 +32,12 @@ CONDITIONING_COLUMNS = ("first_frame_latent", "clip_feature", "pil_image")
 # pooled text embedding [D] (HunyuanVideo's CLIP) and a second text encoder's sequence [L2, D2].
 TEXT_COLUMNS = ("pooled_text_embedding", "text_embedding_2")
 
+
+def tensor_column_names() -> tuple[str, ...]:
+    """Every tensor a row may hold (each stored as <name>_bytes/_shape/_dtype)."""
+    return ("vae_latent", "text_embedding", *CONDITIONING_COLUMNS, *TEXT_COLUMNS)
+
+
 _DTYPES = {
     "float32": np.float32,
     "float16": np.float16,
