@@ -248,10 +248,15 @@ def export_diffusers(src: ExportSource, out: Path, stage: Stage = contextlib.nul
         return [target]
     if src.transformer_dir is not None:
         with stage("copying the transformer"):
-            target = out / "transformer"
-            if target.resolve() != src.transformer_dir.resolve():
-                shutil.copytree(src.transformer_dir, target, dirs_exist_ok=True)
-        return [target]
+            written = []
+            # A few-step student's scheduler (DMD2) goes with it: the stock pipeline samples with it.
+            for sub, folder in (("transformer", src.transformer_dir), ("scheduler", src.transformer_dir.parent / "scheduler")):
+                target = out / sub
+                if folder.is_dir() and target.resolve() != folder.resolve():
+                    shutil.copytree(folder, target, dirs_exist_ok=True)
+                if folder.is_dir():
+                    written.append(target)
+        return written
     # A full run's Accelerate checkpoint: rebuild the module from the config, load, save_pretrained.
     from safetensors.torch import load_file
 

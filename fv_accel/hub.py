@@ -86,6 +86,7 @@ def card_text(
     lines += ["", "## Use it with diffusers", ""]
     vsa = cfg.training.vsa.sparsity if cfg.training.vsa.enabled else None
     lines += _diffusers_snippet(output_dir, where, family, kind, lora, base or st.init_from, vsa)
+    lines += _few_step_lines(output_dir, where, cfg)
     lines += _usage_notes(output_dir, cfg)
     lines += _sample_lines(output_dir, cfg)
     return "\n".join(lines) + "\n"
@@ -163,6 +164,25 @@ def _set_aside_text(skipped: Optional[list]) -> str:
         for s in skipped
     )
     return f"; {len(skipped)} row(s) set aside when found to hold NaN/inf in their data, not trained on: {rows}"
+
+
+def _few_step_lines(output_dir: Path, where: str, cfg: Any) -> list[str]:
+    """A few-step student (DMD2): sample it with the scheduler saved beside it, at its step count
+    and without guidance, as the run's validation did."""
+    if not (output_dir / "scheduler" / "scheduler_config.json").is_file() or not cfg.method.dmd_denoising_steps:
+        return []
+    steps = len(cfg.method.dmd_denoising_steps)
+    return [
+        "", f"A {steps}-step student (distilled with DMD2): sample it with the scheduler saved beside it, in "
+        f"{steps} steps, without classifier-free guidance (the teacher's guidance is distilled in):", "",
+        "```python", "from diffusers import FlowMatchLCMScheduler", "",
+        f'pipe.scheduler = FlowMatchLCMScheduler.from_pretrained("{where}", subfolder="scheduler")',
+        "seed = 1234",
+        "torch.manual_seed(seed + 1)  # each step's fresh noise comes from the global generator",
+        f'video = pipe("a prompt", num_inference_steps={steps}, guidance_scale=1.0, '
+        "generator=torch.Generator().manual_seed(seed)).frames[0]",
+        "```",
+    ]
 
 
 def _usage_notes(output_dir: Path, cfg: Any) -> list[str]:

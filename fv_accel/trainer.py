@@ -580,6 +580,8 @@ class Trainer:
                 # The method's other roles worth keeping (a distillation critic), each in its subfolder.
                 for subfolder, role in self.method.saved_roles().items():
                     role.save_final(self.accelerator, self.output_dir / subfolder)
+                if self.accelerator.is_main_process:
+                    self.method.write_final_files(self.output_dir)
         except Exception as err:
             needed = sum(p.numel() * p.element_size() for p in student.trainable_parameters())
             space = out_of_space_error(err, self.output_dir, needed, "the trainable weights, per copy", "the final weights")

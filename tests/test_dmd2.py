@@ -225,3 +225,48 @@ def test_a_forced_collapse_warns_and_stop_on_collapse_stops_with_a_checkpoint(tm
     teacher = next(r for r in rows if "teacher/temporal_variation" in r)
     student_row = next(r for r in rows if "samples/temporal_variation" in r)
     assert student_row["samples/temporal_variation"] < 0.5 * teacher["teacher/temporal_variation"]
+
+
+@pytest.mark.slow
+def test_the_stock_pipeline_with_the_saved_scheduler_samples_what_validation_sampled(tmp_path, tiny_model_dir):
+    """A finished DMD2 run writes scheduler/ beside transformer/; WanPipeline with them, at the
+    student's step count, guidance 1 and the same seeds, gives the latents validation sampled."""
+    from diffusers import FlowMatchLCMScheduler, WanPipeline, WanTransformer3DModel
+
+    from fv_accel.validation import VideoSamplingCallback
+
+    prompt = "a white square moving up on a light background"
+    run = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path, **{
+        "models.teacher.init_from": str(tiny_model_dir), "models.teacher.transformer_config": None,
+        "method.dmd_denoising_steps": [1000, 750, 500, 250], "method.generator_update_interval": 1,
+        "training.loop.max_train_steps": 2,
+        "callbacks.validation.enable": True, "callbacks.validation.every_steps": 2,
+        "callbacks.validation.prompts": [prompt], "callbacks.validation.sampling_steps": 2,
+        "callbacks.validation.guidance_scale": 1.0,
+    }))
+    video = next(cb for cb in run.callbacks if isinstance(cb, VideoSamplingCallback))
+    sampled = []
+    original = video._sample_few_step
+
+    def record(trainer, student, p):
+        latents = original(trainer, student, p)
+        sampled.append((p, latents.detach().cpu().clone()))
+        return latents
+
+    video._sample_few_step = record
+    Trainer(run).run()
+    out = tmp_path / "out"
+    assert (out / "scheduler" / "scheduler_config.json").is_file()
+    (p, latents), = sampled
+    transformer = WanTransformer3DModel.from_pretrained(str(out), subfolder="transformer")
+    scheduler = FlowMatchLCMScheduler.from_pretrained(str(out), subfolder="scheduler")
+    pipe = WanPipeline.from_pretrained(str(tiny_model_dir), transformer=transformer, scheduler=scheduler)
+    torch.manual_seed(p.seed + 1)
+    stock = pipe(
+        prompt, height=p.height, width=p.width, num_frames=p.num_frames, num_inference_steps=4, guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(p.seed), output_type="latent", max_sequence_length=16,
+    ).frames
+    assert stock.shape == latents.shape
+    assert (stock.float() - latents.float()).abs().max().item() < 1e-4
+    card = (out / "README.md").read_text()
+    assert 'FlowMatchLCMScheduler.from_pretrained(' in card and "num_inference_steps=4, guidance_scale=1.0" in card

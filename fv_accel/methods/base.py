@@ -363,6 +363,9 @@ class TrainingMethod:
     def check_data(self, loader: Any) -> None:
         """Refuse, in one line, training data this method cannot use (called once the loader is built)."""
 
+    def write_final_files(self, output_dir: Any) -> None:
+        """Files of the method's own beside the final weights (main process); none here."""
+
     def saved_roles(self) -> dict[str, ModelBase]:
         """Roles written beside the student's final weights, by output subfolder (none here)."""
         return {}

@@ -88,6 +88,12 @@ class DMD2Method(TrainingMethod):
         for role in (self.teacher, self.critic):
             role.init_preprocessors(self.training_config)
         self.teacher.transformer.eval()
+        val = cfg.callbacks.validation
+        if val.enable and (val.prompts or val.prompt_file):
+            try:  # sample videos step with the stock scheduler of the student's steps: refused now, not mid-run
+                self.sampling_schedule()
+            except ValueError as err:
+                raise ValueError(f"callbacks.validation.prompts: {err}; or leave the prompts out") from None
         self._init_optimizers()
 
     # ---- recipe parsing ----
@@ -206,6 +212,18 @@ class DMD2Method(TrainingMethod):
 
         sigmas = self.few_step_sigmas(torch.Size([1, 1, 1, 1, 1]))
         return few_step_schedule(sigmas, "the student's few steps (method.dmd_denoising_steps)")
+
+    def write_final_files(self, output_dir: Any) -> None:
+        """`scheduler/scheduler_config.json`: the stock scheduler that samples the student at its steps."""
+        import logging
+        from pathlib import Path
+
+        try:
+            schedule = self.sampling_schedule()
+        except ValueError as err:  # a step list no stock scheduler steps: the student is saved without one
+            logging.getLogger(__name__).warning("no scheduler/ written beside the student: %s", err)
+            return
+        schedule.build().save_pretrained(Path(output_dir) / "scheduler")
 
     def sample_score_timestep(self, latent_shape: torch.Size, device: torch.device) -> torch.Tensor:
         n = self.table.num_train_timesteps
