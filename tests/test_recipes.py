@@ -26,6 +26,8 @@ WAN_RECIPES = {
     "wan2_2_i2v_a14b_lora_high_noise": ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", "finetune", "high_noise", "auto", True, 5.0),
     "wan2_2_i2v_a14b_lora_low_noise": ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", "finetune", "low_noise", "auto", True, 5.0),
     "skyreels_v2_df_1_3b_dfsft": ("Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers", "dfsft", None, "auto", False, 3.0),
+    "wan2_1_t2v_1_3b_dmd2": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "dmd2", None, "auto", False, 3.0),
+    "wan2_2_ti2v_5b_i2v_dmd2": ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "dmd2", None, "i2v", False, 5.0),
 }
 
 
@@ -55,7 +57,7 @@ FAMILY_RECIPES = {
 
 def test_every_real_recipe_is_listed():
     real = {p.stem for p in (ROOT / "configs").glob("*.yaml")} - {
-        "tiny_finetune", "tiny_dfsft", "tiny_dfsft_causal", "tiny_tfsft", "bench_small", "gpu_bench_1_3b",
+        "tiny_finetune", "tiny_dfsft", "tiny_dfsft_causal", "tiny_tfsft", "tiny_dmd2", "tiny_dmd2_teacher", "bench_small", "gpu_bench_1_3b",
         "gpu_bench_14b", "gpu_check_small",
     }
     assert real == set(WAN_RECIPES) | set(FAMILY_RECIPES)
@@ -63,7 +65,7 @@ def test_every_real_recipe_is_listed():
         assert name in (ROOT / "tests" / test_file).read_text(), f"{test_file} does not dry-run {name}"
 
 
-@pytest.mark.parametrize("name", ["wan2_2_t2v_a14b_lora_low_noise", "wan2_2_ti2v_5b_dfsft", "wan2_1_i2v_14b_480p_lora"])
+@pytest.mark.parametrize("name", ["wan2_2_t2v_a14b_lora_low_noise", "wan2_2_ti2v_5b_dfsft", "wan2_1_i2v_14b_480p_lora", "wan2_1_t2v_1_3b_dmd2"])
 def test_dry_run_prints_the_resolved_recipe(name, capsys, monkeypatch):
     """In process, as the entry scripts run it (tests/test_config.py launches one as a script)."""
     from fv_accel.cli import main
@@ -77,3 +79,15 @@ def test_dry_run_prints_the_resolved_recipe(name, capsys, monkeypatch):
     st = printed["models"]["student"]
     assert st["init_from"] == WAN_RECIPES[name][0]
     assert st["expert"] == WAN_RECIPES[name][2]
+
+
+def test_the_dmd2_recipes_have_fastvideos_values():
+    cfg = load_config(ROOT / "configs" / "wan2_1_t2v_1_3b_dmd2.yaml")
+    m = cfg.method
+    assert (m.dmd_denoising_steps, m.generator_update_interval, m.real_score_guidance_scale) == ([1000, 750, 500, 250], 5, 4.5)
+    assert (m.fake_score_learning_rate, m.fake_score_betas, m.rollout_mode) == (8e-6, [0.0, 0.999], "simulate")
+    for role in ("student", "teacher", "critic"):
+        assert getattr(cfg.models, role).init_from == "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    assert cfg.models.teacher.trainable is False
+    ti2v = load_config(ROOT / "configs" / "wan2_2_ti2v_5b_i2v_dmd2.yaml")
+    assert {getattr(ti2v.models, r).task for r in ("student", "teacher", "critic")} == {"i2v"}
