@@ -55,7 +55,7 @@ FAMILY_RECIPES = {
 
 def test_every_real_recipe_is_listed():
     real = {p.stem for p in (ROOT / "configs").glob("*.yaml")} - {
-        "tiny_finetune", "tiny_dfsft", "tiny_dfsft_causal", "tiny_tfsft", "bench_small", "gpu_bench_1_3b",
+        "tiny_finetune", "tiny_dfsft", "tiny_dfsft_causal", "tiny_tfsft", "tiny_dmd2_teacher", "bench_small", "gpu_bench_1_3b",
         "gpu_bench_14b", "gpu_check_small",
     }
     assert real == set(WAN_RECIPES) | set(FAMILY_RECIPES)
