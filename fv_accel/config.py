@@ -202,6 +202,11 @@ class DataConfig:
     tiny_height: int = 32
     tiny_width: int = 32
     tiny_cache_dir: Optional[str] = None
+    # Which tiny world (fv_accel/tiny/clips.py): "default", each clip its own caption; "multimodal",
+    # tiny_num_captions captions shared round-robin by the tiny_num_clips clips, each caption's clips
+    # the same shape moving its way from other start positions at other speeds.
+    tiny_world: Literal["default", "multimodal"] = "default"
+    tiny_num_captions: int = 4
 
     def check(self) -> None:
         if self.train_batch_size < 1:
@@ -216,6 +221,8 @@ class DataConfig:
             raise Invalid("num_frames", self.num_frames, "a frame count of the form 4k+1")
         if self.tiny_num_frames < 1 or (self.tiny_num_frames - 1) % 4 != 0:
             raise Invalid("tiny_num_frames", self.tiny_num_frames, "a frame count of the form 4k+1")
+        if not 1 <= self.tiny_num_captions <= 8:
+            raise Invalid("tiny_num_captions", self.tiny_num_captions, "an integer in [1, 8] (one colour each)")
         for i, entry in enumerate(self.mix):
             entry["weight"] = _mix_weight(entry, f"mix[{i}]")
         for key in ("num_latent_t", "num_frames"):

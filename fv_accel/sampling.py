@@ -16,6 +16,10 @@ always cleaner than later ones; `ar_step=None` waits until the previous chunk is
 (chunk-by-chunk autoregression) and `ar_step=0` moves all chunks together (ordinary sampling).
 Finished chunks stay in the sequence as clean context, optionally re-noised to `context_noise` (a
 sigma) so that the model sees slightly noisy context, as when it was trained.
+
+Few-step students (DMD2) sample with `few_step_sample`: at each timestep of the student's list the
+model predicts the clean clip, which is re-noised with fresh noise to the next timestep's sigma
+(`dmd_denoising_timesteps` gives the list, raw or warped through the training table).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from fv_accel.schedulers import scheduler_shift
+from fv_accel.schedulers import FlowMatchTable, randn, scheduler_shift
 
 # predict(x [B, C, T, H, W], per-frame timesteps [B, T], text [B, L, D]) -> velocity like x
 Predictor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -396,3 +400,79 @@ def few_step_schedule(sigmas: list[float], origin: str) -> SamplingSchedule:
               "shift_terminal": float(sigmas[-1]) if k > 1 else None}
     config = {k_: v for k_, v in dict(FlowMatchLCMScheduler.from_config(config).config).items() if not k_.startswith("_")}
     return SamplingSchedule("FlowMatchLCMScheduler", config, origin)
+
+
+def dmd_denoising_timesteps(steps: Any, table: FlowMatchTable, warp: bool = False) -> torch.Tensor:
+    """A few-step student's timesteps [K] (fp32, descending) from its step list (values in
+    (0, num_train_timesteps], e.g. [1000, 750, 500, 250]): the values themselves, or with `warp`
+    (FastVideo's `warp_denoising_step`) the training table's timestep at index N - value, so that
+    1000 is pure noise and the others move up the shifted table (shift 3: 750 -> 900)."""
+    values = torch.as_tensor(list(steps), dtype=torch.float32).flatten()
+    n = table.num_train_timesteps
+    if values.numel() < 1 or bool(((values <= 0) | (values > n)).any()):
+        raise ValueError(f"denoising steps {values.tolist()}: each must be in (0, {n}]")
+    if bool((values[1:] >= values[:-1]).any()):
+        raise ValueError(f"denoising steps {values.tolist()}: must be strictly descending")
+    if not warp:
+        return values
+    return table.timesteps[(n - values.round().long()).clamp(0, n - 1)].clone()
+
+
+def table_sigma(timesteps: torch.Tensor, table: FlowMatchTable) -> torch.Tensor:
+    """The sigma of each timestep: the training table's entry with the nearest timestep."""
+    t = torch.as_tensor(timesteps, dtype=torch.float32)
+    idx = (table.timesteps[None, :] - t.reshape(-1, 1)).abs().argmin(dim=1)
+    return table.sigmas[idx].reshape(t.shape)
+
+
+@torch.no_grad()
+def few_step_sample(
+    predict_velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    noise: torch.Tensor,
+    timesteps: Any,
+    table: FlowMatchTable,
+    generator: Any = None,
+) -> torch.Tensor:
+    """The few-step sampler of DMD students (FastVideo's DMD sampling) from `noise` [B, C, T, H, W]
+    at `timesteps` [K] (descending, e.g. from `dmd_denoising_timesteps`); returns the clean
+    latents (fp32).
+
+    At step k the model's velocity gives the clean clip `x0 = x_k - sigma_k * v(x_k, t_k)` (sigma_k:
+    the table's entry nearest t_k); before the next step it is re-noised with fresh noise,
+    `x_{k+1} = (1 - sigma_{k+1}) * x0 + sigma_{k+1} * eps`, eps drawn from `generator` (one
+    torch.Generator or one per sample, as `schedulers.randn`). `predict_velocity(x, t)` takes the
+    per-frame timesteps t [B, T] and returns the velocity like x (the text is bound in it). One
+    model call per step; K steps draw K - 1 noises."""
+    if noise.ndim != 5:
+        raise ValueError(f"noise must be [B, C, T, H, W], got {tuple(noise.shape)}")
+    t_list = torch.as_tensor(timesteps, dtype=torch.float32).flatten()
+    if t_list.numel() < 1:
+        raise ValueError("few_step_sample needs at least one timestep")
+    sigmas = table_sigma(t_list, table)
+    x = noise.to(torch.float32).clone()
+    bsz, num_frames = x.shape[0], x.shape[2]
+    x0 = x
+    for k in range(t_list.numel()):
+        t_in = t_list[k].to(x.device).expand(bsz, num_frames)
+        x0 = x - float(sigmas[k]) * predict_velocity(x, t_in).float()
+        if k + 1 < t_list.numel():
+            eps = randn(x.shape, generator, x.device) if generator is not None else torch.randn_like(x)
+            s = float(sigmas[k + 1])
+            x = (1.0 - s) * x0 + s * eps
+    return x0
+
+
+@torch.no_grad()
+def euler_sample(
+    predict_velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    noise: torch.Tensor,
+    num_inference_steps: int,
+    shift: float = 3.0,
+) -> torch.Tensor:
+    """Euler flow-matching sampling of a whole clip in `num_inference_steps` model calls at sampling
+    `shift` (FlowMatchEulerDiscreteScheduler through `sample_with_scheduler`); `predict_velocity`
+    as in `few_step_sample`. Returns the clean latents (fp32)."""
+    return sample_with_scheduler(
+        lambda x, t, _text: predict_velocity(x, t), noise, None, sampling_scheduler(shift),
+        num_inference_steps=num_inference_steps,
+    )

@@ -113,3 +113,36 @@ def test_data_scale_quick(tmp_path):
     assert res["inspect_output"][1] == "rows: 60 in 3 Parquet file(s), 3 row group(s)"
     assert data["wan_1_3b_model"] is None  # --quick skips the 1.3B arithmetic
     assert "| quick | 60 | 3 | 3 |" in md and "items/s, 2 workers" in md
+
+
+@pytest.mark.slow  # builds a small multimodal dataset (~10-30 s on 2 shared cores)
+def test_distill_quick(tmp_path, _cache_dir):
+    """benchmarks/distill.py end to end on a small multimodal world: an untrained teacher saved as a
+    run folder, and the same weights as a 'student' sampled by the DMD sampler at 2 steps."""
+    import yaml
+
+    from fv_accel.config import load_config
+    from fv_accel.models import build_student
+
+    recipe = yaml.safe_load((REPO / "configs" / "tiny_dmd2_teacher.yaml").read_text())
+    recipe["training"]["data"].update(tiny_num_captions=2, tiny_num_clips=4, tiny_num_frames=9, tiny_height=32, tiny_width=32)
+    recipe["models"]["student"]["transformer_config"].update(num_layers=1, ffn_dim=64)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    teacher = tmp_path / "teacher"
+    build_student(load_config(str(path))).transformer.save_pretrained(teacher / "transformer")
+    out = tmp_path / "results"
+    _load("distill").main([
+        "--teacher", str(teacher), "--teacher_config", str(path), "--teacher_steps", "3", "--few_steps", "2",
+        "--seeds", "2", "--student", str(teacher), "--student_steps", "1000", "500", "--out", str(out),
+    ])
+    data, md = _read(out, "distill")
+    assert data["captions"] == {c: 2 for c in data["captions"]} and len(data["captions"]) == 2
+    rows = data["rows"]
+    assert [r["forwards_per_sample"] for r in rows] == [3, 2, 2]
+    assert rows[2]["sampler"].startswith("student teacher, DMD 2 steps [1000, 500]")
+    for r in rows:
+        assert _positive(r["seconds_per_sample"]) and _positive(r["latent_distance"])
+        assert len(r["latent_distance_per_sample"]) == 4 and r["latent_distance"] == pytest.approx(
+            sum(r["latent_distance_per_sample"]) / 4)
+    assert _positive(data["reference"]["latent_distance"]) and "| teacher, Euler 3 steps | 3 |" in md

@@ -8,7 +8,9 @@ names in `__all__` (tests/test_layering.py checks), each importing what it needs
 
 - the `data_path: tiny` source: `tiny_dataset` (its folder of Parquet shards, built on first use)
   and `tiny_caption_words` (the words of the captions its clips carry);
-- the tiny model builder: `tiny_models` (every tiny model by name) and `tiny_model_defaults`.
+- the tiny model builder: `tiny_models` (every tiny model by name) and `tiny_model_defaults`;
+- the multimodal world's measure: `tiny_clip_modes` (each sample's distance to the nearest clip
+  of its caption).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["tiny_dataset", "tiny_caption_words", "tiny_models", "tiny_model_defaults"]
+__all__ = ["tiny_dataset", "tiny_caption_words", "tiny_models", "tiny_model_defaults", "tiny_clip_modes"]
 
 
 def tiny_dataset(data_cfg: Any, cache_dir: Optional[str] = None) -> Path:
@@ -48,3 +50,13 @@ def tiny_model_defaults() -> tuple[str, dict[str, str]]:
     from fv_accel.tiny.model import DEFAULT_TINY_MODEL, MODEL_CLASS_ALIASES
 
     return DEFAULT_TINY_MODEL, dict(MODEL_CLASS_ALIASES)
+
+
+def tiny_clip_modes(data_cfg: Any, cache_dir: Optional[str] = None) -> Any:
+    """The clips of the tiny dataset of these `training.data` settings (built on first use) by
+    caption, with their latents, tracks and VAE: a `ClipModes` whose `.nearest(latents, caption)`
+    scores samples against the nearest clip of their caption (fv_accel/tiny/modes.py)."""
+    from fv_accel.tiny.data import ensure_tiny_dataset
+    from fv_accel.tiny.modes import ClipModes
+
+    return ClipModes.load(ensure_tiny_dataset(data_cfg, cache_dir).parent)

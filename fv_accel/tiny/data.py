@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from fv_accel.tiny.clips import COLORS, MOTIONS, ClipSpec, render_clip, tiny_clip_specs  # noqa: F401 (re-exported)
+from fv_accel.tiny.clips import COLORS, MOTIONS, ClipSpec, render_clip, tiny_clip_specs, world_clip_specs  # noqa: F401 (re-exported)
 
 
 def default_cache_dir() -> Path:
@@ -26,6 +26,10 @@ def default_cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "fv_accel"
     )
     return Path(root)
+
+
+# The multimodal world's rendering, in its cached folders' names: a change to its clips changes it.
+MULTIMODAL_VERSION = 1
 
 
 def tiny_dataset_dir(data_cfg, cache_dir: Optional[str] = None) -> Path:
@@ -39,6 +43,8 @@ def tiny_dataset_dir(data_cfg, cache_dir: Optional[str] = None) -> Path:
         # 5: unconditional_text.safetensors beside the shards
         "v": 5,
     }
+    if data_cfg.tiny_world != "default":  # the default world's folders keep their names
+        settings.update(world=data_cfg.tiny_world, captions=data_cfg.tiny_num_captions, world_v=MULTIMODAL_VERSION)
     key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir or data_cfg.tiny_cache_dir or default_cache_dir())
     return root / f"tiny-data-{key}"
@@ -66,17 +72,23 @@ def ensure_tiny_dataset(data_cfg, cache_dir: Optional[str] = None) -> Path:
         height=data_cfg.tiny_height,
         width=data_cfg.tiny_width,
         seed=data_cfg.seed,
+        world=data_cfg.tiny_world,
+        num_captions=data_cfg.tiny_num_captions,
     )
     return out / "latents"
 
 
-def write_tiny_videos(folder: Path, *, num_clips: int, num_frames: int, height: int, width: int, seed: int) -> list[Path]:
-    """Render the procedural clips into `folder` as mp4 files with their captions (skips existing ones)."""
+def write_tiny_videos(
+    folder: Path, *, num_clips: int, num_frames: int, height: int, width: int, seed: int,
+    world: str = "default", num_captions: int = 4,
+) -> list[Path]:
+    """Render the procedural clips of a tiny world (`world_clip_specs`) into `folder` as mp4 files
+    with their captions (skips existing ones)."""
     from fv_accel.data.video import write_video
 
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for k, spec in enumerate(tiny_clip_specs(num_clips, seed=seed)):
+    for k, spec in enumerate(world_clip_specs(world, num_clips, seed, num_captions)):
         video = folder / f"tiny-{k:04d}.mp4"
         caption = video.with_suffix(".txt")
         if not caption.is_file():
@@ -87,7 +99,10 @@ def write_tiny_videos(folder: Path, *, num_clips: int, num_frames: int, height: 
     return paths
 
 
-def build_tiny_dataset(out: Path, *, num_clips: int, num_frames: int, height: int, width: int, seed: int) -> Path:
+def build_tiny_dataset(
+    out: Path, *, num_clips: int, num_frames: int, height: int, width: int, seed: int,
+    world: str = "default", num_captions: int = 4,
+) -> Path:
     """Videos, tiny model, then latents via the preprocessing pipeline; returns the latents folder."""
     from fv_accel.data.video import FrameSampling
     from fv_accel.preprocess import preprocess
@@ -96,7 +111,10 @@ def build_tiny_dataset(out: Path, *, num_clips: int, num_frames: int, height: in
     model_dir = out / "tiny-model"
     if not (model_dir / "model_index.json").is_file():
         write_tiny_model(model_dir, seed=0)
-    write_tiny_videos(out / "videos", num_clips=num_clips, num_frames=num_frames, height=height, width=width, seed=seed)
+    write_tiny_videos(
+        out / "videos", num_clips=num_clips, num_frames=num_frames, height=height, width=width, seed=seed,
+        world=world, num_captions=num_captions,
+    )
     sampling = FrameSampling(num_frames=(num_frames,), buckets=((height, width),), seed=seed)
     # CPU and fp32 whatever the machine, so the cached dataset is the same everywhere.
     result = preprocess(
