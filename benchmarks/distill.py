@@ -141,6 +141,12 @@ def clips_reference(modes: Any) -> dict:
             "track_distance_px": float(np.mean(track))}
 
 
+def shown(path: Any) -> str:
+    """A path as the results show it: relative to the repository when inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(C.REPO)) if path.is_relative_to(C.REPO) else str(path)
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     from fv_accel.process import DefaultsHelpFormatter
 
@@ -182,7 +188,7 @@ def run_samplers(args: argparse.Namespace, modes: Any, text_max_length: int) -> 
             gens = [torch.Generator().manual_seed(10_000 + s) for s in seeds]  # the re-noising draws
             return few_step_sample(v, noise, t, table, gens)
 
-        name = f"student {run_dir.name}, DMD {len(steps)} steps {steps}{' warped' if warp else ''}"
+        name = f"student {shown(run_dir)}, DMD {len(steps)} steps {steps}{' warped' if warp else ''}"
         rows.append(measure(name, sampler, student, modes, caption_conditions(modes, student, text_max_length), seeds))
     return rows
 
@@ -201,8 +207,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     reference = clips_reference(modes)
     payload = {
         "machine": info, "command": C.command_line("distill.py", argv if argv is not None else sys.argv[1:]),
-        "captions": {c: modes.clips_of(c) for c in modes.captions}, "seeds": args.seeds, "shift": args.shift,
-        "teacher": str(args.teacher), "rows": rows, "reference": reference,
+        "captions": {c: modes.clips_of(c) for c in modes.captions}, "seeds": args.seeds, "shift": args.shift, "teacher_steps": args.teacher_steps,
+        "teacher": shown(args.teacher), "teacher_config": shown(args.teacher_config), "rows": rows, "reference": reference,
     }
     table = [[r["sampler"], f"{r['forwards_per_sample']:g}", f"{r['seconds_per_sample'] * 1000:.1f}",
               f"{r['latent_distance']:.3f}", f"{r['track_distance_px']:.2f}"] for r in rows]
@@ -211,7 +217,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     captions = ", ".join(f"{c!r} ({n} clips)" for c, n in payload["captions"].items())
     markdown = (
         f"Machine: {C.machine_line(info)}.\n\nCommand: `{payload['command']}`\n\n"
-        f"Multimodal tiny world ({args.teacher_config}): {captions}; {args.seeds} seeds per caption. "
+        f"Teacher {payload['teacher']}/transformer ({payload['teacher_steps']} Euler steps at shift {args.shift} is its own "
+        f"count). Multimodal tiny world ({payload['teacher_config']}): {captions}; {args.seeds} seeds per caption. "
         "Distances: to the nearest clip of the sample's caption, mean over captions and seeds.\n\n"
         f"{C.markdown_table(header, table)}\n"
     )
