@@ -98,6 +98,9 @@ class StudentConfig:
     # weights are kept in this dtype and cast to the compute dtype layer by layer in the forward.
     # Norms, embeddings, the patch embedding and the LoRA adapter stay as they are. null: off.
     storage_dtype: Optional[Literal["float8_e4m3fn", "float8_e5m2", "bfloat16"]] = None
+    # Audio-and-video families (LTX-2; FastVideo's name): false trains the video branch only (the
+    # audio branch and the cross-modal layers frozen), true trains picture and sound together.
+    train_audio: bool = False
 
     def check(self) -> None:
         if self.storage_dtype is not None and not self.lora.enable:
@@ -432,6 +435,16 @@ class VSAConfig:
 
 
 @dataclass
+class AudioConfig:
+    # Joint audio-and-video training (models.student.train_audio): loss = video + loss_weight * audio.
+    loss_weight: float = 1.0
+
+    def check(self) -> None:
+        if not self.loss_weight >= 0:
+            raise Invalid("loss_weight", self.loss_weight, "a number >= 0")
+
+
+@dataclass
 class TrainingConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -441,6 +454,7 @@ class TrainingConfig:
     model: TrainingModelConfig = field(default_factory=TrainingModelConfig)
     hub: HubConfig = field(default_factory=HubConfig)
     vsa: VSAConfig = field(default_factory=VSAConfig)
+    audio: AudioConfig = field(default_factory=AudioConfig)
 
 
 @dataclass

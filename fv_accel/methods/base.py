@@ -242,7 +242,48 @@ class TrainingMethod:
             raise RuntimeError("prepare_batch() must set TrainingBatch.latents and .conditioning")
         tb.noise = randn(tb.latents.shape, generator, tb.latents.device)
         idx = self.sample_homogeneous_indices(tb.latents.shape[0], generator, tb.latents.device, in_range=in_range)
-        return self.noise_to(tb, idx)
+        return self.noise_audio(self.noise_to(tb, idx), generator)
+
+    # ---- audio (families that make sound with the picture: LTX-2) ----
+    def noise_audio(self, tb: TrainingBatch, generator: GeneratorLike) -> TrainingBatch:
+        """Where the student gave clean audio latents (`tb.extras["audio"]`: an `AudioLatents`), draw
+        their noise after every video draw and noise them at the sample's level (the highest of its
+        frames': LTX2ImageToVideoPipeline's audio timestep beside a clean first frame). A sample
+        without sound gets pure noise (sigma 1). The noisy audio and its sigmas go to the conditioning
+        (`audio_noisy`, `audio_sigmas`) for the family's forward."""
+        audio = tb.extras.get("audio")
+        if audio is None:
+            return tb
+        noise = randn(audio.latents.shape, generator, audio.latents.device)
+        sigma = tb.sigmas if tb.sigmas.ndim == 1 else tb.sigmas.amax(dim=1)
+        sigma = torch.where(audio.present, sigma, torch.ones_like(sigma))
+        s = sigma.view(-1, *([1] * (audio.latents.ndim - 1)))
+        tb.extras["audio_noise"] = noise
+        tb.conditioning.extras["audio_noisy"] = (1.0 - s) * audio.latents + s * noise
+        tb.conditioning.extras["audio_sigmas"] = sigma
+        return tb
+
+    def audio_loss(self, tb: TrainingBatch) -> Optional[torch.Tensor]:
+        """The audio velocity's mean squared error over the samples with sound, where the student
+        trains its audio (`train_audio`); None otherwise (or when no sample of the batch has sound)."""
+        audio = tb.extras.get("audio")
+        pred = tb.conditioning.extras.get("audio_prediction") if tb.conditioning is not None else None
+        if audio is None or pred is None or not self.student.trains_audio or not bool(audio.present.any()):
+            return None
+        err = (pred.float() - (tb.extras["audio_noise"].float() - audio.latents.float())).pow(2)
+        per_sample = err.flatten(1).mean(dim=1)
+        return per_sample[audio.present].mean()
+
+    def with_audio_loss(self, video_loss: torch.Tensor, tb: TrainingBatch, loss_key: str) -> tuple[dict, dict, dict]:
+        """The step result of `video_loss`, plus (joint training) the audio loss weighted by
+        `training.audio.loss_weight` in the total, both logged (`video_loss`, `audio_loss`)."""
+        audio = self.audio_loss(tb)
+        if audio is None:
+            return self._step_result(video_loss, tb, loss_key)
+        total = video_loss + float(self.training_config.audio.loss_weight) * audio
+        loss_map, outputs, metrics = self._step_result(total, tb, loss_key)
+        loss_map.update(video_loss=video_loss, audio_loss=audio)
+        return loss_map, outputs, metrics
 
     def noise_to(self, tb: TrainingBatch, idx: torch.Tensor) -> TrainingBatch:
         """Set the noise level (table indices [B] or per frame [B, T]) and noise the clean latents.

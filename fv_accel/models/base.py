@@ -137,6 +137,9 @@ class ModelBase:
 
     transformer: torch.nn.Module
     _trainable: bool = True
+    # Whether the student trains a sound branch beside the picture (LTX-2 with train_audio): the
+    # methods add its loss (fv_accel/methods/base.py `audio_loss`).
+    trains_audio: bool = False
     # The VSA controllers of the transformers (`training.vsa`; fv_accel.vsa), empty when dense.
     vsa_controllers: tuple = ()
     # Causal attention block size in latent frames, or None for bidirectional attention.

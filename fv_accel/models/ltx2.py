@@ -1,0 +1,397 @@
+"""The LTX-2 family: `LTX2VideoTransformer3DModel` (Lightricks/LTX-2, diffusers layout), a video branch
+and an audio branch joined by audio-to-video and video-to-audio cross-attention.
+
+Training calls the transformer as `LTX2Pipeline` (text-to-video+audio) and `LTX2ImageToVideoPipeline`
+(first frame clean, at timestep 0) do:
+- Text: the Gemma 3 hidden states of every layer (`_get_gemma_prompt_embeds`, left padding) through
+  the repo's frozen text connectors (`LTX2TextConnectors`), which give the video and the audio branch
+  their own sequences and the attention mask. Preprocessing stores both sequences (`text_embedding`,
+  `audio_text_embedding`); their length is the pipeline's `max_sequence_length` (1024), or the
+  tokenizer's `model_max_length` where smaller (the tiny model's 64).
+- Video: normalised latents ((x - latents_mean) * scaling_factor / latents_std) packed into tokens
+  (`_pack_latents`), with the pipeline's `video_coords` at its default frame rate (24) and `fps`.
+- Audio: the audio VAE's latents [C, L, M] packed to [L, C * M] and normalised per feature with its
+  `latents_mean`/`latents_std` buffers, as `prepare_audio_latents` does, with `audio_coords`.
+- Timesteps: the video's [B] (or per token, from per latent frame [B, T]); the audio's one per
+  sample (`audio_timestep`), `sigma` the sample's timestep, `use_cross_timestep` as the pipeline's
+  default. Values are sigma * 1000; the outputs are velocities (eps - x0).
+
+`models.student.train_audio` (FastVideo's name): false (the default) freezes the audio branch and the
+cross-modal layers (no gradient, not in the optimizer, no LoRA on them); the audio branch is still run
+(the video attends to it), fed the clip's audio noised at the sample's level or, for a clip without
+sound, pure noise. True trains both, the audio loss weighted by `training.audio.loss_weight`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from diffusers import LTX2VideoTransformer3DModel
+
+from fv_accel.models.base import Capabilities, Conditioning, TrainingBatch, register_family
+from fv_accel.models.encoders import TEXT, EncodingSpec, FamilyEncoder
+from fv_accel.models.student import DiffusersStudent
+
+logger = logging.getLogger(__name__)
+
+LTX2_PIPELINE = "LTX2Pipeline"
+LTX2_PIPELINES = (LTX2_PIPELINE, "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline")
+
+
+def pipeline_default(name: str, pipeline: str = LTX2_PIPELINE) -> Any:
+    import inspect
+
+    import diffusers
+
+    return inspect.signature(getattr(diffusers, pipeline).__call__).parameters[name].default
+
+
+# LTX2Pipeline's defaults: the frame rate its samples' positions use, its prompt length and whether
+# the cross-modal modulation reads the other modality's timestep.
+LTX2_FRAME_RATE = float(pipeline_default("frame_rate"))
+LTX2_MAX_SEQUENCE_LENGTH = int(pipeline_default("max_sequence_length"))
+LTX2_USE_CROSS_TIMESTEP = bool(pipeline_default("use_cross_timestep"))
+
+# Parameters of the audio branch and of the layers joining the two branches: what train_audio false
+# freezes and keeps LoRA off.
+_AUDIO_OR_CROSS_MODAL = re.compile(r"(audio|av_cross_attn|a2v|v2a)")
+
+
+def is_audio_or_cross_modal(name: str) -> bool:
+    """Whether parameter/module `name` of an LTX2VideoTransformer3DModel belongs to the audio branch
+    or the cross-modal (audio-to-video, video-to-audio) layers."""
+    return bool(_AUDIO_OR_CROSS_MODAL.search(name))
+
+
+def conditioning_frame_rate(frame_rate: float) -> float:
+    """The `fps` LTX2Pipeline conditions positions on at `frame_rate` (default motion speed)."""
+    from diffusers.pipelines.ltx2.utils import conditioning_frame_rate as rule
+
+    return float(rule(frame_rate, pipeline_default("motion_speed")))
+
+
+def audio_latent_frames(num_frames: int, frame_rate: float, audio_config: dict) -> int:
+    """LTX2Pipeline's audio latent length for `num_frames` pixel frames at `frame_rate`."""
+    per_second = float(audio_config["sample_rate"]) / float(audio_config["mel_hop_length"]) / 4.0
+    return round(num_frames / frame_rate * per_second)
+
+
+def pack_audio(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, L, M] -> [B, L, C * M] (LTX2Pipeline._pack_audio_latents without patches)."""
+    from diffusers import LTX2Pipeline
+
+    return LTX2Pipeline._pack_audio_latents(latents)
+
+
+def unpack_audio(tokens: torch.Tensor, mel_bins: int) -> torch.Tensor:
+    from diffusers import LTX2Pipeline
+
+    return LTX2Pipeline._unpack_audio_latents(tokens, tokens.shape[1], mel_bins)
+
+
+@dataclass
+class AudioLatents:
+    """A batch's clean audio: normalised packed latents [B, L, C * M] and which samples have sound [B]."""
+
+    latents: torch.Tensor
+    present: torch.Tensor
+
+
+class LTX2Encoder(FamilyEncoder):
+    """LTX-2's video VAE, audio VAE, Gemma 3 text encoder and text connectors, eval mode, no grad."""
+
+    def __init__(self, model: str, *, device=None, dtype=torch.float32, revision=None, vae_tiling=False, spec=None):
+        from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2Pipeline
+        from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+        from fv_accel.models.loading import explain_load_error, load_text_encoder
+
+        self.model, self.revision = model, revision
+        self.device = device or torch.device("cpu")
+        self.dtype = dtype
+        self.spec = spec or LTX2Student.encoding_spec(model, revision)
+        parts = {}
+        for name, cls in (("vae", AutoencoderKLLTX2Video), ("audio_vae", AutoencoderKLLTX2Audio), ("connectors", LTX2TextConnectors)):
+            try:
+                parts[name] = cls.from_pretrained(model, subfolder=name, revision=revision, torch_dtype=dtype, use_safetensors=True)
+            except (OSError, ValueError) as err:
+                raise explain_load_error(model, f"{name} (subfolder '{name}')", err, revision=revision) from None
+            parts[name].to(self.device).eval().requires_grad_(False)
+        self.vae, self.audio_vae, self.connectors = parts["vae"], parts["audio_vae"], parts["connectors"]
+        if vae_tiling:
+            self.vae.enable_tiling()
+        from transformers import Gemma3ForConditionalGeneration
+
+        self.tokenizer, self.text_encoder = load_text_encoder(
+            model, revision=revision, torch_dtype=dtype, encoder_class=Gemma3ForConditionalGeneration
+        )
+        self.text_encoder.to(self.device).eval().requires_grad_(False)
+        self.text_pipeline = LTX2Pipeline(
+            scheduler=None, vae=None, audio_vae=None, text_encoder=self.text_encoder, tokenizer=self.tokenizer,
+            connectors=self.connectors, transformer=None, vocoder=None,
+        )
+        self.text_max_length = min(LTX2_MAX_SEQUENCE_LENGTH, int(self.tokenizer.model_max_length))
+
+    @torch.no_grad()
+    def encode_video(self, frames: np.ndarray) -> torch.Tensor:
+        video = torch.from_numpy(np.ascontiguousarray(frames)).permute(3, 0, 1, 2)[None]
+        video = video.to(self.device, torch.float32) / 127.5 - 1.0
+        return self.vae.encode(video.to(self.dtype)).latent_dist.mode()[0].float().cpu()
+
+    @torch.no_grad()
+    def encode_caption(self, caption: str) -> dict[str, torch.Tensor]:
+        """{"text_embedding": [L, Dv], "audio_text_embedding": [L, Da]}: the connectors' video and
+        audio sequences of the caption's Gemma 3 states, as LTX2Pipeline computes a prompt's (its
+        connector mask is all ones: the learnable registers fill the padding)."""
+        embeds, mask, _, _ = self.text_pipeline.encode_prompt(
+            caption, do_classifier_free_guidance=False, max_sequence_length=self.text_max_length, device=self.device
+        )
+        video, audio, out_mask = self.connectors(embeds, mask, padding_side=self.tokenizer.padding_side)
+        if not bool(out_mask.all()):
+            # Connectors without registers keep the padding masked: store the real tokens only (the
+            # loader pads at the end; cross-attention over text carries no positions).
+            keep = out_mask[0].bool()
+            return {"text_embedding": video[0, keep].float().cpu(), "audio_text_embedding": audio[0, keep].float().cpu()}
+        return {"text_embedding": video[0].float().cpu(), "audio_text_embedding": audio[0].float().cpu()}
+
+    def encode_frames_conditioning(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
+        return {}  # the first frame is the clip's own first latent frame (causal VAE)
+
+    def latent_statistics(self) -> tuple[list, list]:
+        return LTX2Student.latent_statistics(self.model, self.revision)
+
+
+@register_family
+class LTX2Student(DiffusersStudent):
+    """LTX-2 text-to-video+audio and image-to-video: FineTune (video only, or joint with
+    `train_audio`), DFSFT on video (per-token timesteps)."""
+
+    family = "ltx2"
+    vae_class_names = ("AutoencoderKLLTX2Video",)
+    transformer_classes = {"ltx2": LTX2VideoTransformer3DModel}
+    pipeline_class_names = LTX2_PIPELINES
+    capabilities = Capabilities(per_frame_timesteps=True, causal_attention=False, image_conditioning=True)
+    # Video attention projections; with train_audio the audio and cross-modal ones too (`configure`
+    # names them module by module).
+    lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
+    frame_rate = LTX2_FRAME_RATE
+    AUDIO_ATTENTION = ("audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+    VIDEO_ATTENTION = ("attn1", "attn2")
+
+    @classmethod
+    def lora_pipeline_class(cls, kind: str) -> type:
+        from diffusers import LTX2Pipeline
+
+        return LTX2Pipeline
+
+    # ---- preprocessing ----
+    @classmethod
+    def encoding_spec(cls, model: str, revision: Optional[str] = None) -> EncodingSpec:
+        from fv_accel.models.loading import fetch_config
+
+        vae = fetch_config(model, "vae", revision=revision, required=True)
+        transformer = fetch_config(model, "transformer", revision=revision, required=False) or {}
+        p, pt = int(transformer.get("patch_size", 1)), int(transformer.get("patch_size_t", 1))
+        return EncodingSpec(
+            conditioning=(TEXT,),
+            z_dim=int(vae.get("latent_channels", 128)),
+            scale_factor_spatial=int(vae.get("spatial_compression_ratio", 32)),
+            scale_factor_temporal=int(vae.get("temporal_compression_ratio", 8)),
+            patch_size=(pt, p, p),
+        )
+
+    @classmethod
+    def make_encoder(cls, model: str, *, device=None, dtype=torch.float32, revision=None, vae_tiling=False, spec=None):
+        return LTX2Encoder(model, device=device, dtype=dtype, revision=revision, vae_tiling=vae_tiling, spec=spec)
+
+    @classmethod
+    def latent_statistics(cls, model: str, revision: Optional[str] = None) -> tuple[list[float], list[float]]:
+        """x_norm = (x - latents_mean) / (latents_std / scaling_factor), the video VAE's buffers."""
+        from fv_accel.models.loading import fetch_config
+
+        scaling = float(fetch_config(model, "vae", revision=revision, required=True).get("scaling_factor", 1.0))
+        mean, std = _buffers(model, revision, "vae")
+        return [float(v) for v in mean], [float(v) / scaling for v in std]
+
+    @classmethod
+    def load_vae(cls, model: str, *, revision: Optional[str] = None, torch_dtype: torch.dtype = torch.float32):
+        from diffusers import AutoencoderKLLTX2Video
+
+        return AutoencoderKLLTX2Video.from_pretrained(model, subfolder="vae", revision=revision, torch_dtype=torch_dtype)
+
+    # ---- set-up ----
+    def configure(self, config: Any) -> None:
+        """train_audio and the LoRA targets it implies, module by module (before LoRA is added)."""
+        st = self.student_config
+        self.trains_audio = bool(st.train_audio)
+        if self.trains_audio and self.run_config.method.name != "finetune":
+            from fv_accel.config import ConfigError
+
+            raise ConfigError(
+                f"models.student.train_audio: true trains with method.name finetune; {self.run_config.method.name} "
+                "trains the LTX-2 video only: set models.student.train_audio: false"
+            )
+        names = self.VIDEO_ATTENTION + (self.AUDIO_ATTENTION if self.trains_audio else ())
+        projections = ("to_q", "to_k", "to_v", "to_out.0")
+        self.lora_target_modules = tuple(
+            f"transformer_blocks.{i}.{a}.{p}" for i in range(int(config.num_layers)) for a in names for p in projections
+        )
+        self.audio_config = None
+        if st.init_from is not None:
+            from fv_accel.models.loading import fetch_config
+
+            self.audio_config = fetch_config(st.init_from, "audio_vae", revision=st.revision, required=False)
+        self.audio_mean = self.audio_std = None
+
+    def after_setup(self) -> None:
+        """train_audio false: the audio branch and the cross-modal layers get no gradient (so no
+        optimizer state); a LoRA on them (recipe targets) is refused in one line."""
+        if self.trains_audio:
+            return
+        for name, param in self.transformer.named_parameters():
+            if not is_audio_or_cross_modal(name):
+                continue
+            if "lora_" in name:
+                raise ValueError(
+                    f"models.student.lora.target_modules reaches the audio branch ({name}) but models.student.train_audio "
+                    "is false: name video modules only (or leave the key unset), or set train_audio: true"
+                )
+            param.requires_grad_(False)
+
+    def init_preprocessors(self, training_config: Any) -> None:
+        super().init_preprocessors(training_config)
+        st = self.student_config
+        if st.init_from is not None and self.audio_config is not None:
+            mean, std = _buffers(st.init_from, st.revision, "audio_vae")
+            self.audio_mean, self.audio_std = mean.float(), std.float()
+        length = self.run_config.training.data.text_max_length
+        if st.init_from is not None:
+            from fv_accel.models.loading import fetch_config
+
+            tok = fetch_config(st.init_from, "tokenizer", revision=st.revision, required=False, filename="tokenizer_config.json") or {}
+            needed = min(LTX2_MAX_SEQUENCE_LENGTH, int(tok.get("model_max_length") or LTX2_MAX_SEQUENCE_LENGTH))
+            if length < needed:
+                from fv_accel.config import ConfigError
+
+                raise ConfigError(
+                    f"training.data.text_max_length: {length}, but LTX-2's prompts are {needed} tokens (the connectors' "
+                    f"output, registers included): set training.data.text_max_length: {needed}"
+                )
+
+    # ---- per step ----
+    def build_conditioning(self, batch: dict) -> Conditioning:
+        cond = super().build_conditioning(batch)
+        audio_text = batch.get("audio_text_embedding")
+        if audio_text is None:
+            raise ValueError("the batch has no audio_text_embedding: preprocess the clips with the LTX-2 model itself")
+        cond.extras["audio_text"] = audio_text.to(device=self.device, dtype=torch.float32)
+        if self.student_config.task == "i2v":
+            cond.clean_frames = 1
+        return cond
+
+    def normalize_audio(self, raw: torch.Tensor) -> torch.Tensor:
+        """Raw audio latents [B, C, L, M] -> packed normalised [B, L, C * M] (prepare_audio_latents)."""
+        packed = pack_audio(raw.float())
+        if self.audio_mean is None:
+            return packed
+        return (packed - self.audio_mean.to(packed.device)) / self.audio_std.to(packed.device)
+
+    def prepare_batch(self, batch: dict, *, generator: Any = None, latents_source: str = "data") -> TrainingBatch:
+        """Clean video latents, conditioning and the clean audio (`extras["audio"]`): the stored audio
+        latents, or for a batch without them zeros of the pipeline's length marked absent."""
+        tb = super().prepare_batch(batch, generator=generator, latents_source=latents_source)
+        b, _, frames = tb.latents.shape[:3]
+        raw = batch.get("audio_latent")
+        if raw is not None:
+            packed = self.normalize_audio(raw.to(self.device))
+            present = batch.get("audio_present")
+            present = torch.ones(b, dtype=torch.bool) if present is None else present.bool().reshape(b)
+        else:
+            num_frames = (frames - 1) * self._temporal_factor() + 1
+            length = audio_latent_frames(num_frames, self.frame_rate, self.audio_config or _DEFAULT_AUDIO)
+            packed = torch.zeros(b, length, int(self.transformer_config_value("audio_in_channels")), device=self.device)
+            present = torch.zeros(b, dtype=torch.bool)
+        tb.extras["audio"] = AudioLatents(packed, present.to(self.device))
+        return tb
+
+    def transformer_config_value(self, key: str) -> Any:
+        return self.modules[0].config[key]
+
+    def _temporal_factor(self) -> int:
+        return int(self.transformer_config_value("vae_scale_factors")[0])
+
+    # ---- the transformer ----
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The video velocity for x_t [B, C, T, H, W] at t ([B] or per latent frame [B, T]); the audio
+        branch runs on `cond.extras["audio_noisy"]` [B, L, D] at `audio_sigmas` [B] (pure noise at
+        sigma 1 where absent) and its velocity is left in `cond.extras["audio_prediction"]`."""
+        from fv_accel.models.ltx_video import pack_latents, token_timesteps, unpack_latents
+
+        b, _, frames, height, width = x_t.shape
+        audio = cond.extras.get("audio_noisy")
+        audio_sigma = cond.extras.get("audio_sigmas")
+        if audio is None:
+            raise ValueError("the LTX-2 forward needs the noisy audio (cond.extras['audio_noisy'], set by the method)")
+        dtype = self.input_dtype
+        grid = (frames, height, width)
+        audio_t = audio_sigma.float() * 1000.0
+        # The sample's own level (`sigma`, LTX-2.3's prompt modulation): the pipelines pass their step's t.
+        sample_t = t if t.ndim == 1 else t.amax(dim=1)
+        mask = cond.text_mask if cond.text_mask is not None else torch.ones(cond.text.shape[:2], device=x_t.device)
+        fps = conditioning_frame_rate(self.frame_rate)
+        module = self.modules[0]
+        video_coords = module.rope.prepare_video_coords(b, frames, height, width, x_t.device, fps=fps)
+        audio_coords = module.audio_rope.prepare_audio_coords(b, audio.shape[1], x_t.device)
+        video, audio_out = self.transformer(
+            hidden_states=pack_latents(x_t, 1, 1).to(dtype),
+            audio_hidden_states=audio.to(dtype),
+            encoder_hidden_states=cond.text.to(dtype),
+            audio_encoder_hidden_states=cond.extras["audio_text"].to(dtype),
+            timestep=token_timesteps(t, grid, 1),
+            audio_timestep=audio_t,
+            sigma=sample_t,
+            audio_sigma=audio_t,
+            encoder_attention_mask=mask,
+            audio_encoder_attention_mask=mask,
+            num_frames=frames,
+            height=height,
+            width=width,
+            fps=fps,
+            audio_num_frames=audio.shape[1],
+            video_coords=video_coords,
+            audio_coords=audio_coords,
+            isolate_modalities=False,
+            spatio_temporal_guidance_blocks=None,
+            perturbation_mask=None,
+            use_cross_timestep=LTX2_USE_CROSS_TIMESTEP,
+            return_dict=False,
+        )
+        cond.extras["audio_prediction"] = audio_out
+        return unpack_latents(video, grid, 1, 1)
+
+    def _patch(self) -> tuple[int, int]:
+        return 1, 1  # (spatial, temporal), as the LTX-Video family names them
+
+    def patch_size_of(self, config: Any) -> tuple[int, int, int]:
+        if int(config.get("patch_size", 1)) != 1 or int(config.get("patch_size_t", 1)) != 1:
+            raise ValueError("the LTX-2 family trains transformers of patch size 1 (every LTX-2 checkpoint's)")
+        return 1, 1, 1
+
+
+# The audio VAE's defaults (LTX-2's), for a student built without a repo.
+_DEFAULT_AUDIO = {"sample_rate": 16000, "mel_hop_length": 160}
+
+
+def _buffers(model: str, revision: Optional[str], subfolder: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`latents_mean`, `latents_std`) buffers of the VAE in `subfolder`, read from its weights file."""
+    from safetensors import safe_open
+
+    from fv_accel.models.ltx_video import _vae_weights_file
+
+    with safe_open(str(_vae_weights_file(model, revision, subfolder)), framework="pt") as f:
+        return f.get_tensor("latents_mean").float(), f.get_tensor("latents_std").float()
