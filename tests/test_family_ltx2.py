@@ -1,0 +1,89 @@
+"""The LTX-2 family on its tiny model: the stock LTX2Pipeline loads it and makes video and sound;
+a video-only LoRA run (train_audio false) changes no audio or cross-modal weight and its LoRA file
+holds no audio key; a joint run (train_audio true) changes both branches and logs both losses; each
+LoRA loads back in LTX2Pipeline.load_lora_weights and the pipeline generates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from family_helpers import preprocess_tiny_clips, run_overrides
+from fv_accel.models.ltx2 import is_audio_or_cross_modal
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def ltx2(tmp_path_factory, tiny_model_of):
+    model = tiny_model_of("ltx2")
+    return model, preprocess_tiny_clips(model, tmp_path_factory.mktemp("ltx2"))
+
+
+def generate(pipe):
+    return pipe(prompt="a red ball", num_frames=9, height=64, width=64, num_inference_steps=2, guidance_scale=1.0,
+                output_type="pt", max_sequence_length=64, generator=torch.Generator().manual_seed(0))
+
+
+def test_the_stock_pipeline_loads_the_tiny_ltx2_and_makes_video_and_sound(ltx2):
+    from diffusers import DiffusionPipeline, LTX2Pipeline
+
+    pipe = DiffusionPipeline.from_pretrained(str(ltx2[0]))
+    assert type(pipe) is LTX2Pipeline
+    out = generate(pipe)
+    assert tuple(out.frames.shape) == (1, 9, 3, 64, 64)
+    assert out.audio.shape[:2] == (1, 2) and out.audio.shape[-1] > 1000  # stereo, 16 kHz
+
+
+def train(tmp_path: Path, ltx2, **extra) -> Path:
+    from fv_accel.build import build_from_config
+    from fv_accel.config import default_recipe
+    from fv_accel.trainer import Trainer
+
+    model, data = ltx2
+    over = run_overrides(tmp_path, model, data, **{"models.student.lora.enable": True, **extra})
+    Trainer(build_from_config(default_recipe("finetune"), over)).run()
+    return tmp_path / "out"
+
+
+def lora_deltas(out: Path, model: Path) -> dict[str, float]:
+    """max |delta W| per base weight of the transformer from the run's LoRA file (B @ A * scale)."""
+    from diffusers import LTX2Pipeline
+
+    pipe = LTX2Pipeline.from_pretrained(str(model))
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    pipe.load_lora_weights(str(out))
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    after = pipe.transformer.state_dict()
+    assert tuple(generate(pipe).frames.shape) == (1, 9, 3, 64, 64)
+    return {k: float((after[k] - v).abs().max()) for k, v in before.items()}
+
+
+def read_metrics(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+    return [json.loads(line) for line in lines]
+
+
+def test_video_only_lora_keeps_every_audio_and_cross_modal_weight(tmp_path, ltx2):
+    out = train(tmp_path, ltx2, **{"training.optimizer.learning_rate": 1e-2})
+    keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
+    assert keys and not [k for k in keys if is_audio_or_cross_modal(k)]
+    deltas = lora_deltas(out, ltx2[0])
+    audio = {k: d for k, d in deltas.items() if is_audio_or_cross_modal(k)}
+    video = {k: d for k, d in deltas.items() if not is_audio_or_cross_modal(k)}
+    assert audio and max(audio.values()) == 0.0
+    assert max(video.values()) > 0
+
+
+def test_joint_lora_changes_both_branches(tmp_path, ltx2):
+    out = train(tmp_path, ltx2, **{"training.optimizer.learning_rate": 1e-2, "models.student.train_audio": True})
+    keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
+    assert [k for k in keys if "audio_attn1" in k] and [k for k in keys if "video_to_audio_attn" in k]
+    deltas = lora_deltas(out, ltx2[0])
+    assert max(d for k, d in deltas.items() if "audio_attn1" in k) > 0
+    assert max(d for k, d in deltas.items() if k.endswith("attn1.to_q.weight") and "audio" not in k) > 0
