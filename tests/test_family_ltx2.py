@@ -87,3 +87,31 @@ def test_joint_lora_changes_both_branches(tmp_path, ltx2):
     deltas = lora_deltas(out, ltx2[0])
     assert max(d for k, d in deltas.items() if "audio_attn1" in k) > 0
     assert max(d for k, d in deltas.items() if k.endswith("attn1.to_q.weight") and "audio" not in k) > 0
+
+
+def test_joint_step_adds_the_weighted_audio_loss_and_reports_both(ltx2):
+    """A batch with sound (an audio latent of the pipeline's length for 17 frames at 24 fps): the
+    finetune step's total is video + training.audio.loss_weight * audio, both in its loss map; with
+    train_audio false the total is the video loss alone."""
+    from fv_accel.config import default_recipe, load_config
+    from fv_accel.data.loader import LatentDataset, collate
+    from fv_accel.methods import METHODS
+    from fv_accel.models import build_student
+
+    model, data = ltx2
+    batch = collate([LatentDataset(str(data))[(0, 0, 0)]])
+    torch.manual_seed(0)
+    batch["audio_latent"] = torch.randn(1, 2, 18, 4)  # [B, C, L, M]: round(17 / 24 * 25) latent frames
+    batch["audio_present"] = torch.ones(1)
+    maps = {}
+    for joint in (True, False):
+        over = {"models.student.init_from": str(model), "models.student.train_audio": joint,
+                "training.audio.loss_weight": 0.5, "callbacks.validation.enable": False}
+        cfg = load_config(default_recipe("finetune"), over)
+        student = build_student(cfg)
+        method = METHODS["finetune"](cfg=cfg, role_models={"student": student})
+        maps[joint], _, _ = method.single_train_step(batch, 0)
+    joint = maps[True]
+    assert float(joint["audio_loss"]) > 0
+    assert torch.allclose(joint["total_loss"], joint["video_loss"] + 0.5 * joint["audio_loss"])
+    assert "audio_loss" not in maps[False] and torch.isfinite(maps[False]["total_loss"])
