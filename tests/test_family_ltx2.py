@@ -69,6 +69,7 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+@pytest.mark.slow
 def test_video_only_lora_keeps_every_audio_and_cross_modal_weight(tmp_path, ltx2):
     out = train(tmp_path, ltx2, **{"training.optimizer.learning_rate": 1e-2})
     keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
@@ -80,6 +81,7 @@ def test_video_only_lora_keeps_every_audio_and_cross_modal_weight(tmp_path, ltx2
     assert max(video.values()) > 0
 
 
+@pytest.mark.slow
 def test_joint_lora_changes_both_branches(tmp_path, ltx2):
     out = train(tmp_path, ltx2, **{"training.optimizer.learning_rate": 1e-2, "models.student.train_audio": True})
     keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
