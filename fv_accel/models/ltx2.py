@@ -34,7 +34,7 @@ import torch
 from diffusers import LTX2VideoTransformer3DModel
 
 from fv_accel.models.base import Capabilities, Conditioning, TrainingBatch, register_family
-from fv_accel.models.encoders import TEXT, EncodingSpec, FamilyEncoder
+from fv_accel.models.encoders import AUDIO, TEXT, EncodingSpec, FamilyEncoder
 from fv_accel.models.student import DiffusersStudent
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,28 @@ def audio_latent_frames(num_frames: int, frame_rate: float, audio_config: dict) 
     return round(num_frames / frame_rate * per_second)
 
 
+# LTX-2's audio front end (its trainer's and FastVideo's): a 1024-point STFT (Hann window of the same
+# length, centred frames, reflect padding), magnitudes through a Slaney-scale, Slaney-normalised mel
+# filter bank from 0 Hz to half the sample rate, then the log (floor 1e-5).
+LTX2_AUDIO_N_FFT = 1024
+
+
+def log_mel(waveform: torch.Tensor, sample_rate: int, hop_length: int, mel_bins: int, n_fft: int = LTX2_AUDIO_N_FFT) -> torch.Tensor:
+    """[channels, samples] -> log-mel spectrogram [channels, frames, mel_bins], frames = samples // hop + 1."""
+    from transformers.audio_utils import mel_filter_bank
+
+    window = torch.hann_window(n_fft, device=waveform.device, dtype=torch.float32)
+    spec = torch.stft(
+        waveform.float(), n_fft=n_fft, hop_length=hop_length, win_length=n_fft, window=window, center=True,
+        pad_mode="reflect", return_complex=True,
+    ).abs()  # [channels, n_fft // 2 + 1, frames]
+    bank = mel_filter_bank(
+        n_fft // 2 + 1, mel_bins, 0.0, sample_rate / 2.0, sample_rate, norm="slaney", mel_scale="slaney"
+    )  # [n_fft // 2 + 1, mel_bins]
+    mel = torch.einsum("cft,fm->ctm", spec, torch.from_numpy(bank).to(spec))
+    return torch.log(torch.clamp(mel, min=1e-5))
+
+
 def pack_audio(latents: torch.Tensor) -> torch.Tensor:
     """[B, C, L, M] -> [B, L, C * M] (LTX2Pipeline._pack_audio_latents without patches)."""
     from diffusers import LTX2Pipeline
@@ -104,6 +126,8 @@ class AudioLatents:
 
 class LTX2Encoder(FamilyEncoder):
     """LTX-2's video VAE, audio VAE, Gemma 3 text encoder and text connectors, eval mode, no grad."""
+
+    frame_rate = LTX2_FRAME_RATE  # of a still image's (silent) audio window
 
     def __init__(self, model: str, *, device=None, dtype=torch.float32, revision=None, vae_tiling=False, spec=None):
         from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2Pipeline
@@ -162,6 +186,36 @@ class LTX2Encoder(FamilyEncoder):
     def encode_frames_conditioning(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
         return {}  # the first frame is the clip's own first latent frame (causal VAE)
 
+    # ---- sound ----
+    @property
+    def audio_sample_rate(self) -> int:
+        return int(self.audio_vae.config.sample_rate)
+
+    def audio_window(self, num_frames: int, frame_rate: float) -> tuple[int, int]:
+        """(latent frames, waveform samples) of the sound of `num_frames` pixel frames at
+        `frame_rate`: LTX2Pipeline's audio length, and the samples its latent frames span."""
+        config = self.audio_vae.config
+        frames = audio_latent_frames(num_frames, frame_rate, config)
+        return frames, frames * int(self.audio_vae.temporal_compression_ratio) * int(config.mel_hop_length)
+
+    @torch.no_grad()
+    def encode_audio(self, waveform: np.ndarray) -> torch.Tensor:
+        """Raw audio latents [C, L, M] (the posterior's mode, as the video's) of a stereo waveform
+        [2, L * 4 * hop] at the audio VAE's rate: its log-mel spectrogram (`log_mel`), the last
+        frame (centred past the window's end) dropped, so that 4 mel frames make one latent frame."""
+        config = self.audio_vae.config
+        wave = torch.from_numpy(np.ascontiguousarray(waveform, dtype=np.float32)).to(self.device)
+        mel = log_mel(wave, int(config.sample_rate), int(config.mel_hop_length), int(config.mel_bins))
+        keep = wave.shape[-1] // int(config.mel_hop_length)
+        mel = mel[None, :, :keep].to(self.dtype)
+        return self.audio_vae.encode(mel).latent_dist.mode()[0].float().cpu()
+
+    def silent_audio(self, latent_frames: int) -> torch.Tensor:
+        """The stored audio latent of a clip kept without sound: zeros [C, L, M] (never trained on)."""
+        config = self.audio_vae.config
+        bins = int(config.mel_bins) // int(self.audio_vae.mel_compression_ratio)
+        return torch.zeros(int(config.latent_channels), latent_frames, bins)
+
     def latent_statistics(self) -> tuple[list, list]:
         return LTX2Student.latent_statistics(self.model, self.revision)
 
@@ -198,7 +252,7 @@ class LTX2Student(DiffusersStudent):
         transformer = fetch_config(model, "transformer", revision=revision, required=False) or {}
         p, pt = int(transformer.get("patch_size", 1)), int(transformer.get("patch_size_t", 1))
         return EncodingSpec(
-            conditioning=(TEXT,),
+            conditioning=(TEXT, AUDIO),
             z_dim=int(vae.get("latent_channels", 128)),
             scale_factor_spatial=int(vae.get("spatial_compression_ratio", 32)),
             scale_factor_temporal=int(vae.get("temporal_compression_ratio", 8)),
