@@ -946,8 +946,11 @@ class VideoSamplingCallback(TrainerCallback):
                         frames = decode_latents(
                             self.vae, latents, student.latents_mean, student.latents_std, decode=type(student).decode
                         )[0]
+                        # A family that makes sound (LTX-2): the mp4 carries it, at the frame rate it was made for.
+                        sound = student.sample_sound()
                         if acc.is_main_process:
-                            path = write_video(out_dir / f"{p.name}.mp4", frames, fps=self.val.fps)
+                            fps = self.val.fps if sound is None else student.frame_rate
+                            path = write_video(out_dir / f"{p.name}.mp4", frames, fps=fps, audio=sound)
                             samples.append((p.name, latents, frames, path))
                             paths.append(path)
                     if acc.is_main_process and self.val.distance_clips and self.data_path:

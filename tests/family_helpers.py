@@ -60,3 +60,14 @@ def write_sound_clips(folder: Path, *, fps: float = 8.0, num_frames: int = 17, s
         paths[name] = write_video(folder / f"{name}.mp4", frames, fps=fps, audio=None if sound is None else (sound, rate))
         (folder / f"{name}.txt").write_text(spec.caption + "\n", encoding="utf-8")
     return paths
+
+
+def preprocess_sound_clips(model: Path, root: Path, **kwargs):
+    """`write_sound_clips` under `root/clips`, preprocessed at 17 frames, 64x64 with `model` (a model
+    with sound: LTX-2) into `root/data`; returns the preprocessing result."""
+    from fv_accel.data.video import FrameSampling
+    from fv_accel.preprocess import preprocess
+
+    write_sound_clips(root / "clips")
+    sampling = FrameSampling(num_frames=(17,), buckets=((64, 64),), seed=0)
+    return preprocess(str(model), str(root / "clips"), root / "data", sampling, device=CPU, dtype=torch.float32, **kwargs)

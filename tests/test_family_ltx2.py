@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from family_helpers import preprocess_tiny_clips, run_overrides
+from family_helpers import preprocess_sound_clips, run_overrides
 from fv_accel.models.ltx2 import is_audio_or_cross_modal
 
 CPU = torch.device("cpu")
@@ -20,8 +20,13 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def ltx2(tmp_path_factory, tiny_model_of):
+    """The tiny LTX-2 and its preprocessing of three clips: one with sound, one without, one whose
+    sound is shorter than its picture."""
     model = tiny_model_of("ltx2")
-    return model, preprocess_tiny_clips(model, tmp_path_factory.mktemp("ltx2"))
+    root = tmp_path_factory.mktemp("ltx2")
+    result = preprocess_sound_clips(model, root)
+    assert result.encoded == 3 and result.audio["with_sound"] == 2, result.summary
+    return model, root / "data"
 
 
 def generate(pipe):
@@ -45,7 +50,7 @@ def train(tmp_path: Path, ltx2, **extra) -> Path:
     from fv_accel.trainer import Trainer
 
     model, data = ltx2
-    over = run_overrides(tmp_path, model, data, **{"models.student.lora.enable": True, **extra})
+    over = run_overrides(tmp_path, model, data, **{"models.student.lora.enable": True, "training.data.text_max_length": 64, **extra})
     Trainer(build_from_config(default_recipe("finetune"), over)).run()
     return tmp_path / "out"
 
@@ -117,3 +122,23 @@ def test_joint_step_adds_the_weighted_audio_loss_and_reports_both(ltx2):
     assert float(joint["audio_loss"]) > 0
     assert torch.allclose(joint["total_loss"], joint["video_loss"] + 0.5 * joint["audio_loss"])
     assert "audio_loss" not in maps[False] and torch.isfinite(maps[False]["total_loss"])
+
+
+@pytest.mark.slow
+def test_sample_videos_carry_the_sound_the_pipeline_made(tmp_path, ltx2):
+    """Validation samples through LTX2Pipeline around the live transformer: the mp4 has an AAC track as
+    long as its picture at the pipeline's 24 fps (17 frames: 0.71 s)."""
+    import av
+
+    train(tmp_path, ltx2, **{
+        "training.loop.max_train_steps": 1, "callbacks.validation.enable": True, "callbacks.validation.prompts": ["a red ball"],
+        "callbacks.validation.sampling_steps": 2, "callbacks.validation.guidance_scale": 1.0,
+        "callbacks.validation.every_steps": 1,
+    })
+    (video,) = (tmp_path / "out" / "samples" / "step-1").glob("*.mp4")
+    with av.open(str(video)) as container:
+        picture, sound = container.streams.video[0], container.streams.audio[0]
+        seconds = [float(s.duration * s.time_base) for s in (picture, sound)]
+        assert sound.codec_context.name == "aac" and sound.codec_context.channels == 2
+    assert seconds[0] == pytest.approx(17 / 24, abs=1e-3)
+    assert seconds[1] == pytest.approx(seconds[0], abs=0.05)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from family_helpers import run_overrides, write_sound_clips
+from family_helpers import preprocess_sound_clips, run_overrides
 
 CPU = torch.device("cpu")
 
@@ -20,15 +20,9 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def sound_data(tmp_path_factory, tiny_model_of):
     """The tiny LTX-2, its three sound clips (tone, silent, short) and their preprocessing."""
-    from fv_accel.data.video import FrameSampling
-    from fv_accel.preprocess import preprocess
-
     model = tiny_model_of("ltx2")
     root = tmp_path_factory.mktemp("ltx2_sound")
-    write_sound_clips(root / "clips")
-    sampling = FrameSampling(num_frames=(17,), buckets=((64, 64),), seed=0)
-    result = preprocess(str(model), str(root / "clips"), root / "data", sampling, device=CPU, dtype=torch.float32)
-    return model, root, sampling, result
+    return model, root, preprocess_sound_clips(model, root)
 
 
 def rows_of(data) -> dict[str, dict]:
@@ -56,7 +50,7 @@ def test_log_mel_puts_a_tone_in_its_mel_band():
 
 
 def test_preprocess_stores_audio_latents_and_reports_silent_and_short_clips(sound_data):
-    model, root, _, result = sound_data
+    model, root, result = sound_data
     assert result.encoded == 3, result.summary
     # 17 frames at 8 fps: round(17 / 8 * 16000 / 160 / 4) = 53 audio latent frames.
     assert result.audio["with_sound"] == 2
@@ -80,11 +74,8 @@ def test_preprocess_stores_audio_latents_and_reports_silent_and_short_clips(soun
 
 
 def test_audio_missing_skip_reports_the_silent_clip(sound_data, tmp_path):
-    from fv_accel.preprocess import preprocess
-
-    model, root, sampling, _ = sound_data
-    result = preprocess(str(model), str(root / "clips"), tmp_path / "data", sampling, device=CPU, dtype=torch.float32,
-                        audio_missing="skip")
+    model, _, _ = sound_data
+    result = preprocess_sound_clips(model, tmp_path, audio_missing="skip")
     assert result.encoded == 2 and result.skipped == 1
     (skipped,) = [json.loads(line) for line in (tmp_path / "data" / "skipped.jsonl").read_text().splitlines()]
     assert skipped["path"] == "silent.mp4" and skipped["reason"] == "no_audio"
@@ -99,7 +90,7 @@ def audio_only_grad(sound_data, row: str) -> float:
     from fv_accel.methods import METHODS
     from fv_accel.models import build_student
 
-    model, root, _, _ = sound_data
+    model, root, _ = sound_data
     ds = LatentDataset(str(root / "data"), text_max_length=64)
     (index,) = [i for i in range(len(ds)) if ds[(i, 0, 0)]["source"].endswith(f"(id '{row}')")]
     over = {"models.student.init_from": str(model), "models.student.train_audio": True, "callbacks.validation.enable": False,
@@ -130,7 +121,7 @@ def test_joint_lora_run_on_sound_logs_both_losses_and_moves_audio_only_layers(so
     from fv_accel.config import default_recipe
     from fv_accel.trainer import Trainer
 
-    model, root, _, _ = sound_data
+    model, root, _ = sound_data
     over = run_overrides(tmp_path, model, root / "data", **{
         "models.student.lora.enable": True, "models.student.train_audio": True, "training.optimizer.learning_rate": 1e-2,
         "training.loop.max_train_steps": 3, "training.data.text_max_length": 64,

@@ -343,6 +343,11 @@ class ModelBase:
         the family samples with fv_accel's Euler sampler over `forward` (validation then does)."""
         return None
 
+    def sample_sound(self) -> Any:
+        """The sound of the last `sample_latents` sample, (float waveform [channels, samples], sample
+        rate), for families that make sound with the picture; None otherwise."""
+        return None
+
     def training_shift(self, latent_shape: torch.Size) -> float:
         """The shift of the training table for latents of `latent_shape` [B, C, T, H, W]."""
         raise NotImplementedError

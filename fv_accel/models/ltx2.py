@@ -184,7 +184,9 @@ class LTX2Encoder(FamilyEncoder):
         return {"text_embedding": video[0].float().cpu(), "audio_text_embedding": audio[0].float().cpu()}
 
     def encode_frames_conditioning(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
-        return {}  # the first frame is the clip's own first latent frame (causal VAE)
+        """The first frame, uint8 [H, W, 3] (`pil_image`), for image-to-video sample videos; training
+        takes the condition from the clip's own first latent frame (causal VAE)."""
+        return {"pil_image": torch.from_numpy(np.array(frames[0], dtype=np.uint8))}
 
     # ---- sound ----
     @property
@@ -282,6 +284,8 @@ class LTX2Student(DiffusersStudent):
     def configure(self, config: Any) -> None:
         """train_audio and the LoRA targets it implies, module by module (before LoRA is added)."""
         st = self.student_config
+        # Image-to-video (a clean first frame) where the recipe asks for it; text-to-video+audio else.
+        self.capabilities = Capabilities(per_frame_timesteps=True, causal_attention=False, image_conditioning=st.task == "i2v")
         self.trains_audio = bool(st.train_audio)
         if self.trains_audio and self.run_config.method.name != "finetune":
             from fv_accel.config import ConfigError
@@ -343,7 +347,10 @@ class LTX2Student(DiffusersStudent):
         audio_text = batch.get("audio_text_embedding")
         if audio_text is None:
             raise ValueError("the batch has no audio_text_embedding: preprocess the clips with the LTX-2 model itself")
-        cond.extras["audio_text"] = audio_text.to(device=self.device, dtype=torch.float32)
+        audio_text = audio_text.to(device=self.device, dtype=torch.float32)
+        if audio_text.shape[1] < cond.text.shape[1]:  # padded at the end as the video's (masked out)
+            audio_text = torch.nn.functional.pad(audio_text, (0, 0, 0, cond.text.shape[1] - audio_text.shape[1]))
+        cond.extras["audio_text"] = audio_text
         if self.student_config.task == "i2v":
             cond.clean_frames = 1
         return cond
@@ -428,6 +435,81 @@ class LTX2Student(DiffusersStudent):
         cond.extras["audio_prediction"] = audio_out
         return unpack_latents(video, grid, 1, 1)
 
+    # ---- sample videos (with sound) ----
+    def sample_latents(
+        self,
+        vae: torch.nn.Module,
+        cond: Conditioning,
+        negative: Optional[Conditioning],
+        *,
+        height: int,
+        width: int,
+        num_frames: int,
+        num_inference_steps: int,
+        guidance_scale: float,
+        scheduler: Any,
+        generator: torch.Generator,
+        first_frame: Any = None,
+    ) -> torch.Tensor:
+        """Normalised video latents [1, C, T, h, w] through LTX2Pipeline (LTX2ImageToVideoPipeline
+        from `first_frame`) around the live transformer, at the family's frame rate, the sound guided
+        at the picture's scale, the prompts' stored connector outputs handed through
+        (`StoredConnectors`); the sample's sound (the repo's
+        audio VAE and vocoder on the audio latents) is kept for `sample_sound`."""
+        import diffusers
+        from PIL import Image
+
+
+        audio_vae, vocoder = self._sound_parts(cond.text.device)
+        name = LTX2_PIPELINE if first_frame is None else "LTX2ImageToVideoPipeline"
+        pipe = getattr(diffusers, name)(
+            scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=None, tokenizer=None,
+            connectors=StoredConnectors(int(cond.text.shape[-1]), cond.text.device), transformer=self.transformer, vocoder=vocoder,
+        )
+
+        def joined(c: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
+            mask = c.text_mask if c.text_mask is not None else torch.ones(c.text.shape[:2], device=c.text.device)
+            return torch.cat([c.text, c.extras["audio_text"].to(c.text)], dim=-1), mask
+
+        use_negative = negative is not None and guidance_scale > 1.0
+        text, mask = joined(cond)
+        negative_text, negative_mask = joined(negative) if use_negative else (None, None)
+        extra = {} if first_frame is None else {"image": Image.fromarray(np.asarray(first_frame, dtype=np.uint8))}
+        pipe.set_progress_bar_config(disable=True)
+        video, audio = pipe(
+            prompt_embeds=text, prompt_attention_mask=mask, negative_prompt_embeds=negative_text,
+            negative_prompt_attention_mask=negative_mask, height=height, width=width, num_frames=num_frames,
+            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, audio_guidance_scale=guidance_scale,
+            generator=generator,
+            frame_rate=self.frame_rate, output_type="latent", return_dict=False, **extra,
+        )
+        with torch.no_grad():
+            wave = vocoder(audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0])
+        self._sound = (wave[0].float().cpu().numpy(), int(vocoder.config.output_sampling_rate))
+        return self.normalize_latents(video.float())
+
+    def sample_sound(self) -> Optional[tuple[np.ndarray, int]]:
+        """The last sample's sound: (float waveform [2, samples], sample rate)."""
+        return getattr(self, "_sound", None)
+
+    def _sound_parts(self, device: torch.device) -> tuple[Any, Any]:
+        """The repo's audio VAE and vocoder (the class its model_index.json names), fp32, eval, cached."""
+        if getattr(self, "_sound_modules", None) is None:
+            import diffusers
+            from diffusers.pipelines import ltx2 as ltx2_pipelines
+
+            from fv_accel.models.loading import fetch_config
+
+            st = self.student_config
+            if st.init_from is None:
+                raise ValueError("LTX-2 sample videos need the repo's audio VAE and vocoder: set models.student.init_from")
+            index = fetch_config(st.init_from, None, revision=st.revision, required=False, filename="model_index.json") or {}
+            vocoder_class = getattr(ltx2_pipelines, (index.get("vocoder") or [None, "LTX2Vocoder"])[1])
+            audio_vae = diffusers.AutoencoderKLLTX2Audio.from_pretrained(st.init_from, subfolder="audio_vae", revision=st.revision)
+            vocoder = vocoder_class.from_pretrained(st.init_from, subfolder="vocoder", revision=st.revision)
+            self._sound_modules = tuple(m.float().eval().requires_grad_(False) for m in (audio_vae, vocoder))
+        return tuple(m.to(device) for m in self._sound_modules)
+
     def _patch(self) -> tuple[int, int]:
         return 1, 1  # (spatial, temporal), as the LTX-Video family names them
 
@@ -435,6 +517,28 @@ class LTX2Student(DiffusersStudent):
         if int(config.get("patch_size", 1)) != 1 or int(config.get("patch_size_t", 1)) != 1:
             raise ValueError("the LTX-2 family trains transformers of patch size 1 (every LTX-2 checkpoint's)")
         return 1, 1, 1
+
+
+class StoredConnectors(torch.nn.Module):
+    """Stands in for LTX2TextConnectors when sampling from stored prompts: the prompt embeddings are
+    the connectors' video and audio sequences joined on the feature axis (video first, `video_dim`
+    wide); it hands them back split, with the mask."""
+
+    def __init__(self, video_dim: int, device: torch.device):
+        super().__init__()
+        self.video_dim = video_dim
+        self.register_buffer("anchor", torch.zeros(0, device=device), persistent=False)
+
+    @property
+    def device(self) -> torch.device:  # what a pipeline asks each of its modules
+        return self.anchor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.anchor.dtype
+
+    def forward(self, embeds: torch.Tensor, mask: torch.Tensor, padding_side: str = "left") -> tuple:
+        return embeds[..., : self.video_dim], embeds[..., self.video_dim :], mask
 
 
 # The audio VAE's defaults (LTX-2's), for a student built without a repo.
