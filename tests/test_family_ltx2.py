@@ -142,3 +142,41 @@ def test_sample_videos_carry_the_sound_the_pipeline_made(tmp_path, ltx2):
         assert sound.codec_context.name == "aac" and sound.codec_context.channels == 2
     assert seconds[0] == pytest.approx(17 / 24, abs=1e-3)
     assert seconds[1] == pytest.approx(seconds[0], abs=0.05)
+
+
+# ---- recipes ----
+
+ROOT = Path(__file__).resolve().parents[1]
+LTX2_RECIPES = {"ltx2_t2v_lora": False, "ltx2_t2av_lora": True}  # recipe -> train_audio
+
+
+@pytest.mark.parametrize("name", sorted(LTX2_RECIPES))
+def test_ltx2_recipes_dry_run_offline_with_the_memory_estimate(name, capsys, monkeypatch):
+    """Each recipe prints offline (the Hub id of LTX2Pipeline's docstrings, no network) with the
+    memory estimate of the published LTX-2.0 architecture: rank-64 LoRA on the video attention
+    (attn1, attn2: 4 projections 4096 -> 4096 each, 48 blocks), and with train_audio also on the audio
+    attention (2048 wide) and the cross-modal attention (2048 wide, keys and values of the video for
+    audio-to-video from 4096)."""
+    import yaml
+
+    from fv_accel.cli import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main("finetune", ["--config", f"configs/{name}.yaml", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    st = yaml.safe_load(out)["models"]["student"]
+    assert st["init_from"] == "Lightricks/LTX-2" and st["train_audio"] is LTX2_RECIPES[name] and st["lora"]["enable"]
+    rank, layers = 64, 48
+
+    def lora(i, o):
+        return rank * (i + o)
+
+    video = 8 * lora(4096, 4096)
+    audio = 8 * lora(2048, 2048)
+    # audio_to_video_attn: queries from the video (4096), keys/values from the audio (2048), output 4096 -> inner
+    # 2048 -> 4096; video_to_audio_attn the other way round.
+    a2v = lora(4096, 2048) + lora(2048, 2048) * 2 + lora(2048, 4096)
+    v2a = lora(2048, 2048) + lora(4096, 2048) * 2 + lora(2048, 2048)
+    expected = layers * (video + (audio + a2v + v2a if LTX2_RECIPES[name] else 0))
+    assert f"LoRA rank 64 ({expected:,} of " in out, out[-1500:]

@@ -343,6 +343,11 @@ class ModelBase:
         the family samples with fv_accel's Euler sampler over `forward` (validation then does)."""
         return None
 
+    @classmethod
+    def default_lora_targets(cls, config: Any, student_config: Any) -> tuple[str, ...]:
+        """The LoRA targets of a recipe that names none, for a transformer of `config`."""
+        return cls.lora_target_modules
+
     def sample_sound(self) -> Any:
         """The sound of the last `sample_latents` sample, (float waveform [channels, samples], sample
         rate), for families that make sound with the picture; None otherwise."""

@@ -281,6 +281,15 @@ class LTX2Student(DiffusersStudent):
         return AutoencoderKLLTX2Video.from_pretrained(model, subfolder="vae", revision=revision, torch_dtype=torch_dtype)
 
     # ---- set-up ----
+    @classmethod
+    def default_lora_targets(cls, config: Any, student_config: Any) -> tuple[str, ...]:
+        """The attention projections of the video branch, and with train_audio those of the audio
+        branch and the cross-modal layers too, named module by module."""
+        names = cls.VIDEO_ATTENTION + (cls.AUDIO_ATTENTION if student_config.train_audio else ())
+        projections = ("to_q", "to_k", "to_v", "to_out.0")
+        layers = int(config["num_layers"] if isinstance(config, dict) else config.num_layers)
+        return tuple(f"transformer_blocks.{i}.{a}.{p}" for i in range(layers) for a in names for p in projections)
+
     def configure(self, config: Any) -> None:
         """train_audio and the LoRA targets it implies, module by module (before LoRA is added)."""
         st = self.student_config
@@ -294,11 +303,7 @@ class LTX2Student(DiffusersStudent):
                 f"models.student.train_audio: true trains with method.name finetune; {self.run_config.method.name} "
                 "trains the LTX-2 video only: set models.student.train_audio: false"
             )
-        names = self.VIDEO_ATTENTION + (self.AUDIO_ATTENTION if self.trains_audio else ())
-        projections = ("to_q", "to_k", "to_v", "to_out.0")
-        self.lora_target_modules = tuple(
-            f"transformer_blocks.{i}.{a}.{p}" for i in range(int(config.num_layers)) for a in names for p in projections
-        )
+        self.lora_target_modules = self.default_lora_targets(config, st)
         self.audio_config = None
         if st.init_from is not None:
             from fv_accel.models.loading import fetch_config
