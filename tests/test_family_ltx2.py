@@ -180,3 +180,15 @@ def test_ltx2_recipes_dry_run_offline_with_the_memory_estimate(name, capsys, mon
     v2a = lora(2048, 2048) + lora(4096, 2048) * 2 + lora(2048, 2048)
     expected = layers * (video + (audio + a2v + v2a if LTX2_RECIPES[name] else 0))
     assert f"LoRA rank 64 ({expected:,} of " in out, out[-1500:]
+
+
+def test_train_audio_on_a_family_without_sound_is_refused_in_one_line():
+    from fv_accel.config import default_recipe, load_config
+    from fv_accel.models import build_student
+
+    cfg = load_config(default_recipe("finetune"), {"models.student.train_audio": True, "callbacks.validation.enable": False})
+    with pytest.raises(ValueError) as err:
+        build_student(cfg)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("models.student.train_audio is true but model 'models.student.transformer_config' (wan family)")

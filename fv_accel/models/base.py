@@ -140,6 +140,8 @@ class ModelBase:
     # Whether the student trains a sound branch beside the picture (LTX-2 with train_audio): the
     # methods add its loss (fv_accel/methods/base.py `audio_loss`).
     trains_audio: bool = False
+    # Whether the family's transformer has an audio branch (models.student.train_audio is refused otherwise).
+    has_audio: ClassVar[bool] = False
     # The VSA controllers of the transformers (`training.vsa`; fv_accel.vsa), empty when dense.
     vsa_controllers: tuple = ()
     # Causal attention block size in latent frames, or None for bidirectional attention.

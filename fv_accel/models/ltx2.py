@@ -236,6 +236,7 @@ class LTX2Student(DiffusersStudent):
     # names them module by module).
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
     frame_rate = LTX2_FRAME_RATE
+    has_audio = True
     AUDIO_ATTENTION = ("audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
     VIDEO_ATTENTION = ("attn1", "attn2")
 
