@@ -192,3 +192,21 @@ def test_train_audio_on_a_family_without_sound_is_refused_in_one_line():
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("models.student.train_audio is true but model 'models.student.transformer_config' (wan family)")
+
+
+def test_heldout_loss_reports_video_and_audio_apart(tmp_path, ltx2):
+    """The held-out evaluation feeds each clip's sound (its noise from the clip's fixed generator) and
+    logs the audio loss apart (`heldout/audio_loss`, per sigma bucket, over the clips with sound)
+    beside the video's (`heldout/loss`)."""
+    _, data = ltx2
+    out = train(tmp_path, ltx2, **{
+        "training.loop.max_train_steps": 1, "callbacks.validation.enable": True, "callbacks.validation.prompts": [],
+        "callbacks.validation.heldout_data_path": str(data), "callbacks.validation.heldout_max_samples": 3,
+        "callbacks.validation.every_steps": 1,
+    })
+    logs = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    heldout = [m for m in logs if "heldout/loss" in m][-1]
+    buckets = [k for k in heldout if k.startswith("heldout/audio_sigma_")]
+    assert len(buckets) == 5 and heldout["heldout/audio_loss"] == pytest.approx(sum(heldout[k] for k in buckets) / 5)
+    assert heldout["heldout/audio_loss"] > 0 and heldout["heldout/loss"] > 0
+    assert heldout["heldout/audio_loss"] != heldout["heldout/loss"]

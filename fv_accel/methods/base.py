@@ -254,7 +254,11 @@ class TrainingMethod:
         audio = tb.extras.get("audio")
         if audio is None:
             return tb
-        noise = randn(audio.latents.shape, generator, audio.latents.device)
+        return self.noise_audio_with(tb, randn(audio.latents.shape, generator, audio.latents.device))
+
+    def noise_audio_with(self, tb: TrainingBatch, noise: torch.Tensor) -> TrainingBatch:
+        """`noise_audio` with the audio noise given."""
+        audio = tb.extras["audio"]
         sigma = tb.sigmas if tb.sigmas.ndim == 1 else tb.sigmas.amax(dim=1)
         sigma = torch.where(audio.present, sigma, torch.ones_like(sigma))
         s = sigma.view(-1, *([1] * (audio.latents.ndim - 1)))
@@ -266,9 +270,15 @@ class TrainingMethod:
     def audio_loss(self, tb: TrainingBatch) -> Optional[torch.Tensor]:
         """The audio velocity's mean squared error over the samples with sound, where the student
         trains its audio (`train_audio`); None otherwise (or when no sample of the batch has sound)."""
+        if not self.student.trains_audio:
+            return None
+        return self.audio_error(tb)
+
+    def audio_error(self, tb: TrainingBatch) -> Optional[torch.Tensor]:
+        """The audio velocity's mean squared error over the samples with sound (None without any)."""
         audio = tb.extras.get("audio")
         pred = tb.conditioning.extras.get("audio_prediction") if tb.conditioning is not None else None
-        if audio is None or pred is None or not self.student.trains_audio or not bool(audio.present.any()):
+        if audio is None or pred is None or not bool(audio.present.any()):
             return None
         err = (pred.float() - (tb.extras["audio_noise"].float() - audio.latents.float())).pow(2)
         per_sample = err.flatten(1).mean(dim=1)
@@ -331,13 +341,22 @@ class TrainingMethod:
 
     @torch.no_grad()
     def heldout_loss(
-        self, latents: torch.Tensor, noise: torch.Tensor, idx: torch.Tensor, conditioning: Conditioning
+        self, latents: torch.Tensor, noise: torch.Tensor, idx: torch.Tensor, conditioning: Conditioning,
+        audio: Any = None, audio_noise: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The unweighted training loss of clean `latents` noised with the given `noise` to table
-        indices `idx` ([B], or per frame [B, T]): the held-out evaluation's score."""
+        indices `idx` ([B], or per frame [B, T]): the held-out evaluation's score. With the clean
+        `audio` of a family that makes sound (and its `audio_noise`), the audio is noised at the
+        samples' levels and its loss, where a sample has sound, is left in
+        `conditioning.extras["audio_loss"]`; the video's is returned."""
         tb = TrainingBatch(latents=latents, noise=noise, conditioning=conditioning)
         self.noise_to(tb, idx.clone())
+        if audio is not None:
+            tb.extras["audio"] = audio
+            self.noise_audio_with(tb, audio_noise)
         pred = self.student.forward(tb.noisy_model_input, tb.timesteps, conditioning)
+        if audio is not None:
+            conditioning.extras["audio_loss"] = self.audio_error(tb)
         return self.unweighted_loss(pred, tb)
 
     def _step_result(

@@ -350,6 +350,11 @@ class ModelBase:
         """The LoRA targets of a recipe that names none, for a transformer of `config`."""
         return cls.lora_target_modules
 
+    def clean_audio(self, batch: dict, num_latent_frames: int) -> Any:
+        """The batch's clean sound for families that make sound with the picture (LTX-2's
+        `AudioLatents`), else None."""
+        return None
+
     def sample_sound(self) -> Any:
         """The sound of the last `sample_latents` sample, (float waveform [channels, samples], sample
         rate), for families that make sound with the picture; None otherwise."""

@@ -372,19 +372,25 @@ class LTX2Student(DiffusersStudent):
         """Clean video latents, conditioning and the clean audio (`extras["audio"]`): the stored audio
         latents, or for a batch without them zeros of the pipeline's length marked absent."""
         tb = super().prepare_batch(batch, generator=generator, latents_source=latents_source)
-        b, _, frames = tb.latents.shape[:3]
+        tb.extras["audio"] = self.clean_audio(batch, tb.latents.shape[2])
+        return tb
+
+    def clean_audio(self, batch: dict, num_latent_frames: int) -> AudioLatents:
+        """The batch's stored audio latents, packed and normalised, or for a batch without them
+        zeros of the pipeline's length for `num_latent_frames` video latent frames, marked absent."""
         raw = batch.get("audio_latent")
         if raw is not None:
+            b = raw.shape[0]
             packed = self.normalize_audio(raw.to(self.device))
             present = batch.get("audio_present")
             present = torch.ones(b, dtype=torch.bool) if present is None else present.bool().reshape(b)
         else:
-            num_frames = (frames - 1) * self._temporal_factor() + 1
+            b = batch["vae_latent"].shape[0]
+            num_frames = (num_latent_frames - 1) * self._temporal_factor() + 1
             length = audio_latent_frames(num_frames, self.frame_rate, self.audio_config or _DEFAULT_AUDIO)
             packed = torch.zeros(b, length, int(self.transformer_config_value("audio_in_channels")), device=self.device)
             present = torch.zeros(b, dtype=torch.bool)
-        tb.extras["audio"] = AudioLatents(packed, present.to(self.device))
-        return tb
+        return AudioLatents(packed, present.to(self.device))
 
     def transformer_config_value(self, key: str) -> Any:
         return self.modules[0].config[key]
