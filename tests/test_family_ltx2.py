@@ -77,8 +77,17 @@ def read_metrics(out: Path) -> list[dict]:
 @pytest.mark.slow
 def test_video_only_lora_keeps_every_audio_and_cross_modal_weight(tmp_path, ltx2):
     out = train(tmp_path, ltx2, **{"training.optimizer.learning_rate": 1e-2})
-    keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
+    lora = load_file(str(out / "pytorch_lora_weights.safetensors"))
+    keys = list(lora)
     assert keys and not [k for k in keys if is_audio_or_cross_modal(k)]
+    # ComfyUI's layout (its LTXAVModel keeps these block names): the same tensors, lora_down/lora_up.
+    comfy = load_file(str(out / "pytorch_lora_weights_comfyui.safetensors"))
+    for key, value in lora.items():
+        name = key.replace("transformer.", "diffusion_model.", 1)
+        name = name.replace(".lora_A.weight", ".lora_down.weight").replace(".lora_B.weight", ".lora_up.weight")
+        assert torch.equal(comfy[name], value), name
+    assert "diffusion_model.transformer_blocks.0.attn1.to_out.0.alpha" in comfy
+    assert not [k for k in comfy if is_audio_or_cross_modal(k)]
     deltas = lora_deltas(out, ltx2[0])
     audio = {k: d for k, d in deltas.items() if is_audio_or_cross_modal(k)}
     video = {k: d for k, d in deltas.items() if not is_audio_or_cross_modal(k)}

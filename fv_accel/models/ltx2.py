@@ -246,6 +246,30 @@ class LTX2Student(DiffusersStudent):
 
         return LTX2Pipeline
 
+    # ComfyUI's LTX-2 model (LTXAVModel) keeps the original LTX-2 module names: the attention and
+    # feed-forward modules of a block are named as in diffusers (attn1, audio_attn1, attn2,
+    # audio_attn2, audio_to_video_attn, video_to_audio_attn with to_q/to_k/to_v/to_out.0; ff,
+    # audio_ff), the others as diffusers' conversion script (scripts/convert_ltx2_to_diffusers.py)
+    # renamed them from the original.
+    comfyui_lora = True
+    COMFYUI_RENAMES = {
+        "proj_in": "patchify_proj",
+        "audio_proj_in": "audio_patchify_proj",
+        "time_embed": "adaln_single",
+        "audio_time_embed": "audio_adaln_single",
+        "norm_q": "q_norm",
+        "norm_k": "k_norm",
+        "av_cross_attn_video_scale_shift": "av_ca_video_scale_shift_adaln_single",
+        "av_cross_attn_video_a2v_gate": "av_ca_a2v_gate_adaln_single",
+        "av_cross_attn_audio_scale_shift": "av_ca_audio_scale_shift_adaln_single",
+        "av_cross_attn_audio_v2a_gate": "av_ca_v2a_gate_adaln_single",
+    }
+
+    @classmethod
+    def comfyui_module_name(cls, module: str) -> str:
+        """diffusers module name -> ComfyUI's (LoRA keys `diffusion_model.<name>.lora_down.weight`)."""
+        return ".".join(cls.COMFYUI_RENAMES.get(part, part) for part in module.split("."))
+
     # ---- preprocessing ----
     @classmethod
     def encoding_spec(cls, model: str, revision: Optional[str] = None) -> EncodingSpec:
