@@ -219,3 +219,37 @@ def test_heldout_loss_reports_video_and_audio_apart(tmp_path, ltx2):
     assert len(buckets) == 5 and heldout["heldout/audio_loss"] == pytest.approx(sum(heldout[k] for k in buckets) / 5)
     assert heldout["heldout/audio_loss"] > 0 and heldout["heldout/loss"] > 0
     assert heldout["heldout/audio_loss"] != heldout["heldout/loss"]
+
+
+@pytest.mark.slow
+def test_joint_run_resumes_exactly(tmp_path, ltx2):
+    """A joint (video + audio) LoRA run stopped at step 2 and resumed replays steps 3 and 4 as the
+    uninterrupted run: the same video and audio losses, the same LoRA weights."""
+    from fv_accel.build import build_from_config
+    from fv_accel.config import default_recipe
+    from fv_accel.trainer import Trainer
+    from resume_helpers import reset_accelerate
+
+    model, data = ltx2
+
+    def run(out, **extra):
+        over = run_overrides(out, model, data, **{
+            "models.student.lora.enable": True, "models.student.train_audio": True, "training.data.text_max_length": 64,
+            "training.loop.max_train_steps": 4, "training.optimizer.lr_warmup_steps": 3,
+            "training.checkpoint.training_state_checkpointing_steps": 2, **extra,
+        })
+        reset_accelerate()
+        Trainer(build_from_config(default_recipe("finetune"), over)).run()
+        logs = [json.loads(line) for line in (out / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
+        losses = {m["step"]: (m["total_loss"], m.get("video_loss"), m.get("audio_loss")) for m in logs if "total_loss" in m}
+        return losses, load_file(str(out / "out" / "pytorch_lora_weights.safetensors"))
+
+    straight, straight_lora = run(tmp_path / "a")
+    resumed, resumed_lora = run(tmp_path / "b", **{
+        "training.checkpoint.resume_from_checkpoint": str(tmp_path / "a" / "out" / "checkpoint-2"),
+    })
+    assert sorted(resumed) == [3, 4] and sorted(straight) == [1, 2, 3, 4]  # it started from the checkpoint
+    assert [resumed[s] for s in (3, 4)] == [straight[s] for s in (3, 4)]
+    assert any(straight[s][2] is not None for s in (3, 4))  # an audio loss among the replayed steps
+    assert straight_lora.keys() == resumed_lora.keys()
+    assert all(torch.equal(straight_lora[k], resumed_lora[k]) for k in straight_lora)
