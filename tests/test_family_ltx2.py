@@ -253,3 +253,39 @@ def test_joint_run_resumes_exactly(tmp_path, ltx2):
     assert any(straight[s][2] is not None for s in (3, 4))  # an audio loss among the replayed steps
     assert straight_lora.keys() == resumed_lora.keys()
     assert all(torch.equal(straight_lora[k], resumed_lora[k]) for k in straight_lora)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_joint_run_on_two_processes_ddp_and_fsdp2(tmp_path, ltx2):
+    """Joint LoRA training on two CPU processes, under DDP and under FSDP2: a step where one process
+    holds a clip without sound and the other one with sound runs (both log the same keys and reduce
+    the same gradients), and the two engines log the same losses."""
+    import os
+    import subprocess
+    import sys
+
+    from launch_helpers import ANY_FREE_PORT
+
+    model, data = ltx2
+    accelerate = Path(sys.executable).parent / "accelerate"
+    logs = {}
+    for engine, launch in (("DDP", ["--multi_gpu"]), ("FSDP2", ["--config_file", str(ROOT / "accelerate_configs" / "fsdp2.yaml")])):
+        out = tmp_path / engine
+        env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+        env.update(OMP_NUM_THREADS="1", **({"ACCELERATE_USE_CPU": "1"} if engine == "DDP" else {}))
+        cmd = [str(accelerate), "launch", *launch, "--num_processes", "2", *ANY_FREE_PORT, "train_finetune.py",
+               "--config", "configs/tiny_finetune.yaml", "--models.student.init_from", str(model),
+               "--models.student.lora.enable", "true", "--models.student.train_audio", "true",
+               "--training.data.data_path", str(data), "--training.data.train_batch_size", "1",
+               "--training.loop.max_train_steps", "3", "--callbacks.validation.enable", "false", "--callbacks.ema.enable", "false",
+               "--training.checkpoint.output_dir", str(out)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        assert f"engine {engine}" in proc.stderr and "| 2 processes |" in proc.stderr
+        logs[engine] = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    shares = [m["audio_share"] for m in logs["DDP"]]
+    assert 0.5 in shares, shares  # a step with sound on one process only
+    for a, b in zip(logs["DDP"], logs["FSDP2"]):
+        for key in ("video_loss", "audio_loss", "total_loss"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a["step"])

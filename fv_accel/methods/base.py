@@ -286,13 +286,20 @@ class TrainingMethod:
 
     def with_audio_loss(self, video_loss: torch.Tensor, tb: TrainingBatch, loss_key: str) -> tuple[dict, dict, dict]:
         """The step result of `video_loss`, plus (joint training) the audio loss weighted by
-        `training.audio.loss_weight` in the total, both logged (`video_loss`, `audio_loss`)."""
+        `training.audio.loss_weight` in the total, both logged (`video_loss`, `audio_loss`) with the
+        share of the batch's samples that have sound (`audio_share`). A batch without sound adds an
+        audio loss of 0 that still reaches every audio parameter, so that the processes of a
+        data-parallel run all log the same keys and reduce gradients of the same parameters."""
+        pred = tb.conditioning.extras.get("audio_prediction") if tb.conditioning is not None else None
+        if not self.student.trains_audio or pred is None:
+            return self._step_result(video_loss, tb, loss_key)
         audio = self.audio_loss(tb)
         if audio is None:
-            return self._step_result(video_loss, tb, loss_key)
+            audio = pred.float().sum() * 0.0
         total = video_loss + float(self.training_config.audio.loss_weight) * audio
         loss_map, outputs, metrics = self._step_result(total, tb, loss_key)
         loss_map.update(video_loss=video_loss, audio_loss=audio)
+        metrics["audio_share"] = tb.extras["audio"].present.float().mean()
         return loss_map, outputs, metrics
 
     def noise_to(self, tb: TrainingBatch, idx: torch.Tensor) -> TrainingBatch:
