@@ -135,3 +135,22 @@ def test_joint_lora_run_on_sound_logs_both_losses_and_moves_audio_only_layers(so
     lora = load_file(str(out / "pytorch_lora_weights.safetensors"))
     last = [v for k, v in lora.items() if "transformer_blocks.1.video_to_audio_attn" in k and "lora_B" in k]
     assert last and max(float(v.abs().max()) for v in last) > 0  # lora_B starts at zero
+
+
+def test_read_audio_counts_sound_past_the_picture_as_cut(tmp_path):
+    """A track twice as long as its picture: the window is all sound (nothing padded) and the
+    second the picture does not cover is reported as cut."""
+    from fv_accel.data.audio import read_audio
+    from fv_accel.data.video import write_video
+
+    rate, fps, frames = 16000, 8.0, 9
+    t = np.arange(int(rate * 2 * frames / fps)) / rate
+    tone = (0.5 * np.sin(2 * np.pi * 440.0 * t)).astype(np.float32)[None]
+    path = write_video(tmp_path / "long.mp4", np.zeros((frames, 32, 32, 3), np.uint8), fps=fps, audio=(tone, rate))
+    got = read_audio(path, start_seconds=0.0, num_samples=int(rate * frames / fps), sample_rate=rate,
+                     picture_seconds=frames / fps, slack_seconds=1 / fps)
+    assert got.present and got.waveform.shape == (2, int(rate * frames / fps))
+    assert got.padded_seconds == 0.0
+    # AAC codes whole frames of 1024 samples (64 ms at 16 kHz): the decoded track ends up to one frame later.
+    assert frames / fps <= got.cut_seconds <= frames / fps + 1024 / rate
+    assert np.array_equal(got.waveform[0], got.waveform[1])  # mono copied to both channels
