@@ -101,6 +101,9 @@ class StudentConfig:
     # Whether the role trains (FastVideo's key): null is the role's own default (the student and a
     # distillation critic train; a teacher is frozen).
     trainable: Optional[bool] = None
+    # Audio-and-video families (LTX-2; FastVideo's name): false trains the video branch only (the
+    # audio branch and the cross-modal layers frozen), true trains picture and sound together.
+    train_audio: bool = False
 
     def check(self) -> None:
         if self.storage_dtype is not None and not self.lora.enable:
@@ -473,6 +476,16 @@ class VSAConfig:
 
 
 @dataclass
+class AudioConfig:
+    # Joint audio-and-video training (models.student.train_audio): loss = video + loss_weight * audio.
+    loss_weight: float = 1.0
+
+    def check(self) -> None:
+        if not self.loss_weight >= 0:
+            raise Invalid("loss_weight", self.loss_weight, "a number >= 0")
+
+
+@dataclass
 class TrainingConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -482,6 +495,7 @@ class TrainingConfig:
     model: TrainingModelConfig = field(default_factory=TrainingModelConfig)
     hub: HubConfig = field(default_factory=HubConfig)
     vsa: VSAConfig = field(default_factory=VSAConfig)
+    audio: AudioConfig = field(default_factory=AudioConfig)
 
 
 @dataclass

@@ -261,6 +261,17 @@ PUBLISHED_ARCHITECTURES: dict[str, tuple[dict, tuple[int, int]]] = {
              in_channels=48, out_channels=48), (4, 16)
     ),
     "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers": (dict(_WAN_1_3B, _class_name="SkyReelsV2Transformer3DModel"), (4, 8)),
+    # LTX-2.0 as diffusers' conversion script (scripts/convert_ltx2_to_diffusers.py, version "2.0")
+    # writes it; the other keys are the class defaults that script also sets.
+    "Lightricks/LTX-2": (
+        dict(
+            _class_name="LTX2VideoTransformer3DModel", in_channels=128, out_channels=128, num_attention_heads=32,
+            attention_head_dim=128, cross_attention_dim=4096, audio_in_channels=128, audio_out_channels=128,
+            audio_num_attention_heads=32, audio_attention_head_dim=64, audio_cross_attention_dim=2048, num_layers=48,
+            caption_channels=3840,
+        ),
+        (8, 32),
+    ),
 }
 
 
@@ -365,7 +376,7 @@ def build_meta_transformer(cfg: RunConfig, config: dict) -> torch.nn.Module:
     if st.lora.enable:
         from fv_accel.models.lora import peft_lora_config, with_default_targets
 
-        lora = dataclasses.replace(with_default_targets(st.lora, family.lora_target_modules), init="default")
+        lora = dataclasses.replace(with_default_targets(st.lora, family.default_lora_targets(config, st)), init="default")
         model.requires_grad_(False)
         with init_empty_weights():
             model.add_adapter(peft_lora_config(lora), adapter_name="default")

@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from fv_accel.data.audio import AUDIO_MISSING, AUDIO_NOTES_PENDING, audio_report, audio_summary, encode_clip_audio, note_clip_audio
 from fv_accel.data.schema import (
     DATASET_INFO,
     PENDING_COMMAND,
@@ -414,13 +415,14 @@ class PreprocessResult:
     output: Path
     input_form: str = ""
     num_processes: int = 1
+    audio: dict = field(default_factory=dict)  # the sound of the rows (models with audio: LTX-2)
     # Prompts mode (a text-only dataset): what the prompts file held besides the prompts encoded.
     prompts: Optional["PromptReport"] = None
 
     @property
     def summary(self) -> str:
         if self.prompts is None:
-            return f"encoded {self.encoded}, skipped {self.skipped} (see {SKIPPED_FILE})"
+            return f"encoded {self.encoded}, skipped {self.skipped} (see {SKIPPED_FILE}){audio_summary(self.audio)}"
         return f"encoded {self.encoded} prompt(s) (text only), skipped {self.skipped} (see {SKIPPED_FILE}); {self.prompts.describe()}"
 
 
@@ -439,6 +441,7 @@ def settings_fingerprint(
     dtype: torch.dtype,
     text_max_length: int,
     conditioning: Sequence[str] = ("text",),
+    audio_missing: Optional[str] = None,
 ) -> str:
     settings = {
         "v": SETTINGS_VERSION,
@@ -451,6 +454,8 @@ def settings_fingerprint(
     if tuple(conditioning) != ("text",):
         # Image-to-video rows hold more columns: rows encoded without them are not reused.
         settings["conditioning"] = list(conditioning)
+    if audio_missing is not None:  # models with sound: which clips have rows depends on it
+        settings["audio_missing"] = audio_missing
     return json.dumps(settings, sort_keys=True)
 
 
@@ -545,6 +550,7 @@ def preprocess(
     encoder: Any = None,
     caption_encoding: str = "utf-8",
     command: Optional[str] = None,
+    audio_missing: str = AUDIO_MISSING[0],
 ) -> PreprocessResult:
     """Encode the clips of `input` into `output` (this process's share of them when world_size > 1).
 
@@ -552,7 +558,8 @@ def preprocess(
     main process (rank 0) writes skipped.jsonl and fv_dataset.json. `on_clip_done(clip, status)`
     is called after each clip ("encoded", "reused" or "skipped"). `caption_encoding`: of caption
     files and metadata files. `command`: the command line, kept with the pending rows until the
-    end so that training on the unfinished folder can say how to finish it.
+    end so that training on the unfinished folder can say how to finish it. `audio_missing`
+    (models with sound): what a clip without an audio track becomes (`AUDIO_MISSING`).
 
     The stages: list the clips, probe the model, check the buckets against its VAE, encode (or
     reuse) each clip, write the shards, report (skipped.jsonl, fv_dataset.json).
@@ -560,6 +567,8 @@ def preprocess(
     t0 = time.perf_counter()
     if shard_size < 1:
         raise ValueError(f"shard_size: expected an integer >= 1, got {shard_size}")
+    if audio_missing not in AUDIO_MISSING:
+        raise ValueError(f"audio_missing: one of {', '.join(AUDIO_MISSING)}, got {audio_missing!r}")
     if world_size > 1 and barrier is None:
         raise ValueError("preprocess: several processes need a barrier (e.g. PartialState().wait_for_everyone)")
     output = Path(output)
@@ -572,7 +581,7 @@ def preprocess(
     family, spec = _probe_model(model, revision, encoder)
     _check_buckets(spec, sampling, model)
     check_output_writable(output)  # after the checks of the input: a refused run creates no folder
-    job = _EncodeJob(model, revision, sampling, output, device, dtype, vae_tiling, family, spec, encoder)
+    job = _EncodeJob(model, revision, sampling, output, device, dtype, vae_tiling, family, spec, encoder, audio_missing)
     job.start(rank, command)
     if rank == 0:
         logger.info("preprocessing %d clip(s) from %s (%s) on %d process(es)", len(clips), input, form, world_size)
@@ -638,9 +647,9 @@ class _EncodeJob:
 
     def __init__(
         self, model: str, revision: Optional[str], sampling: FrameSampling, output: Path, device: torch.device,
-        dtype: torch.dtype, vae_tiling: bool, family: Any, spec: Any, encoder: Any,
+        dtype: torch.dtype, vae_tiling: bool, family: Any, spec: Any, encoder: Any, audio_missing: str = AUDIO_MISSING[0],
     ):
-        from fv_accel.models.encoders import TEXT_MAX_LENGTH
+        from fv_accel.models.encoders import AUDIO, TEXT_MAX_LENGTH
 
         self.model, self.revision, self.sampling, self.output = model, revision, sampling, output
         self.device, self.dtype, self.vae_tiling = device, dtype, vae_tiling
@@ -653,7 +662,11 @@ class _EncodeJob:
         else:
             self.pipeline_prompt = getattr(encoder, "pipeline_prompt", lambda caption: caption)
             self.unconditional_prompt = getattr(encoder, "unconditional_prompt", "")
-        self.fingerprint = settings_fingerprint(model, revision, sampling, dtype, TEXT_MAX_LENGTH, self.conditioning)
+        # Models with sound (AUDIO): the clip's audio latents, and what a clip without sound becomes.
+        self.audio_missing = audio_missing if AUDIO in self.conditioning else None
+        self.fingerprint = settings_fingerprint(
+            model, revision, sampling, dtype, TEXT_MAX_LENGTH, self.conditioning, self.audio_missing
+        )
         self.pending = output / PENDING_DIR
         self.rank = 0
         self.stats = _Stats()
@@ -706,6 +719,10 @@ class _EncodeJob:
         text = columns.pop("text_embedding")
         if self.conditioning != ("text",):
             columns.update(enc.encode_frames_conditioning(got.frames))
+        if self.audio_missing is not None:
+            sound, note = encode_clip_audio(enc, payload, got, self.audio_missing)
+            columns.update(sound)
+            note_clip_audio(self.pending / f"{AUDIO_NOTES_PENDING}{self.rank}.jsonl", key, note)
         note_caption_length(self.pending / f"{CAPTION_TOKENS_PENDING}{self.rank}.jsonl", key, enc, clip.caption.strip())
         extra = {}
         for name, value in columns.items():
@@ -869,11 +886,12 @@ def _finish(output: Path, num_shards: int, world_size: int, form: str, info: dic
         elif m:
             f.unlink()
     captions_cut = captions_cut_report(output, pending, num_shards)
+    audio = audio_report(output, pending, sorted(output.glob(f"data-*-of-{num_shards:05d}.parquet")), skipped)
     for f in pending.iterdir():
         f.unlink()
     pending.rmdir()
-    write_dataset_info(output, **info, num_rows=encoded, **captions_cut)
-    return PreprocessResult(encoded, len(skipped), newly, reused, 0.0, output, form, world_size)
+    write_dataset_info(output, **info, num_rows=encoded, **captions_cut, **audio)
+    return PreprocessResult(encoded, len(skipped), newly, reused, 0.0, output, form, world_size, audio.get("audio", {}))
 
 
 # Each caption's token count before the text encoder's cut, by row key: appended per encoded clip
@@ -1225,6 +1243,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--vae_tiling", action="store_true", help="encode in spatial tiles (less memory at high resolution)")
     p.add_argument(
+        "--audio_missing",
+        choices=AUDIO_MISSING,
+        default=AUDIO_MISSING[0],
+        help="models with sound (LTX-2): a clip without an audio track is kept and trained video-only, or skipped",
+    )
+    p.add_argument(
         "--caption_encoding",
         default="utf-8",
         help="text encoding of caption and metadata files (e.g. latin-1, cp1252)",
@@ -1287,6 +1311,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             world_size=state.num_processes,
             barrier=state.wait_for_everyone,
             caption_encoding=args.caption_encoding,
+            audio_missing=args.audio_missing,
             command=command,
         )
     except (InputError, ModelLoadError) as err:

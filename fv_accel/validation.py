@@ -435,21 +435,36 @@ class HeldoutLossCallback(TrainerCallback):
                 # Fixed noise per clip, drawn on the CPU: the same numbers on any device and rank count.
                 g = torch.Generator().manual_seed(sample_generator_seed(self.seed, 0, row))
                 noise = torch.randn(latents.shape, generator=g, dtype=torch.float32).to(device)
+                # A family that makes sound: the clip's audio, its noise drawn after the video's.
+                audio = student.clean_audio(batch, latents.shape[2])
+                sound = {} if audio is None else dict(
+                    audio=audio, audio_noise=torch.randn(audio.latents.shape, generator=g).to(device)
+                )
                 evals = self._evaluations(method.table, latents.shape[2] - cond.clean_frames, chunk_size)
                 if sums is None:
                     keys = [k.replace("heldout/", "heldout/dense_" if dense else "heldout/") for dense in views for k, _ in evals]
-                    sums = torch.zeros(len(keys), dtype=torch.float64, device=device)
+                    sums = torch.zeros(2 * len(keys) + 1, dtype=torch.float64, device=device)  # video, audio, clips with sound
                 for v, dense in enumerate(views):
                     with student.vsa_view(dense):
                         for j, (_, idx) in enumerate(evals):
                             idx = idx.to(device) if chunk_size is None else _with_clean_frames(idx.to(device)[None], cond)
-                            loss = method.heldout_loss(latents, noise, idx, cond)
+                            loss = method.heldout_loss(latents, noise, idx, cond, **sound)
+                            audio_loss = cond.extras.pop("audio_loss", None)
                             if real:
                                 sums[v * len(evals) + j] += loss.double()
+                                if audio_loss is not None:
+                                    sums[len(keys) + v * len(evals) + j] += audio_loss.double()
+                if real and audio is not None and bool(audio.present.any()):
+                    sums[-1] += 1
         assert sums is not None  # every rank has per_rank >= 1 slots (the held-out set is never empty)
         total = acc.reduce(sums, reduction="sum") / cp.degree if acc.num_processes > 1 else sums
-        means = (total / len(self.rows)).tolist()
+        means = (total[: len(keys)] / len(self.rows)).tolist()
         out = dict(zip(keys, means))
+        if float(total[-1]) > 0:  # the audio loss apart, over the clips with sound
+            audio_means = (total[len(keys) : -1] / total[-1]).tolist()
+            out.update({k.replace("heldout/", "heldout/audio_"): m for k, m in zip(keys, audio_means)})
+            audio_buckets = [k for k in out if k.startswith("heldout/audio_sigma_")]
+            out["heldout/audio_loss"] = float(np.mean([out[k] for k in audio_buckets]))
         bucket_keys = [k for k in keys if k.startswith("heldout/sigma_")]
         out["heldout/loss"] = float(np.mean([out[k] for k in bucket_keys]))
         dense_keys = [k for k in keys if k.startswith("heldout/dense_sigma_")]
@@ -1024,8 +1039,11 @@ class VideoSamplingCallback(TrainerCallback):
                         frames = decode_latents(
                             self.vae, latents, student.latents_mean, student.latents_std, decode=type(student).decode
                         )[0]
+                        # A family that makes sound (LTX-2): the mp4 carries it, at the frame rate it was made for.
+                        sound = student.sample_sound()
                         if acc.is_main_process:
-                            path = write_video(out_dir / f"{p.name}.mp4", frames, fps=self.val.fps)
+                            fps = self.val.fps if sound is None else student.frame_rate
+                            path = write_video(out_dir / f"{p.name}.mp4", frames, fps=fps, audio=sound)
                             samples.append((p.name, latents, frames, path))
                             paths.append(path)
                     if acc.is_main_process and self.val.distance_clips and self.data_path:

@@ -32,7 +32,11 @@ SHORT_TEXT = 64
 # 1.5's text-to-video image embeddings (masked out) and Cosmos' padding mask (resized to the latent's).
 ZERO_INPUTS = ("image_embeds", "padding_mask")
 # Text inputs, compared over the pipeline's real tokens, and their masks.
-TEXT_MASKS = {"encoder_hidden_states": "encoder_attention_mask", "encoder_hidden_states_2": "encoder_attention_mask_2"}
+TEXT_MASKS = {
+    "encoder_hidden_states": "encoder_attention_mask",
+    "encoder_hidden_states_2": "encoder_attention_mask_2",
+    "audio_encoder_hidden_states": "audio_encoder_attention_mask",  # LTX-2's audio branch
+}
 
 
 class _Stop(Exception):
@@ -421,3 +425,66 @@ def test_cosmos2_video2world(tmp_path, tiny_model_of):
     frames_t[:, :1] = 0.0  # a clean condition frame (the family gives it the pipeline's value)
     check_call(student, cond_call, hidden, frames_t, cond)
     check_call(student, uncond_call, hidden, frames_t, student.build_conditioning(dropped))
+
+
+# ---- LTX-2 (video and audio) ----
+
+
+def ltx2_check(student, call, cond, row: int, audio_present: bool = True) -> dict[str, float]:
+    """The LTX-2 training forward on the pipeline's video and audio latents of batch row `row`: every
+    input within TOL, the video output and the audio output (left in the conditioning) too."""
+    _, theirs, output = call
+    pick = slice(row, row + 1)
+    x_t = unpack_ltx(student, theirs["hidden_states"][pick], (theirs["num_frames"], theirs["height"], theirs["width"]))
+    timestep = theirs["timestep"][pick]
+    t = timestep.reshape(1, -1)[:, 0] if timestep.ndim == 1 else timestep.reshape(1, theirs["num_frames"], -1)[:, :, 0]
+    cond.extras["audio_noisy"] = theirs["audio_hidden_states"][pick].float()
+    sample = theirs.get("audio_timestep", theirs["timestep"])[pick].reshape(-1)[:1]
+    cond.extras["audio_sigmas"] = sample.float() / 1000.0
+    calls, out = record_forward(student, x_t, t, cond)
+    (ours,) = calls
+    # Training names the audio timestep and sigma the pipeline leaves to their defaults (equal values).
+    diffs = input_differences(theirs, ours, row, ours_only=("audio_timestep", "audio_sigma"))
+    for key in ("audio_timestep", "audio_sigma"):
+        if key not in theirs:
+            diffs[key] = float((ours[key].float() - sample.float()).abs().max())
+    diffs["output"] = float((out.float() - unpack_ltx(student, output[pick], x_t.shape[2:]).float()).abs().max())
+    bad = {k: v for k, v in diffs.items() if v > TOL}
+    assert not bad, f"training differs from the pipeline: {bad}"
+    print(f"ltx2 row {row} {diffs}")
+    return diffs
+
+
+@pytest.mark.parametrize("task", ["t2v", "i2v"])
+def test_ltx2(tmp_path, tiny_model_of, task):
+    """LTX2Pipeline (text-to-video+audio: one timestep per sample for both branches) and
+    LTX2ImageToVideoPipeline (first latent frame clean at timestep 0 per token, audio at the step's t):
+    Gemma 3 states through the repo's connectors (video and audio sequences, registers filling the
+    padding), video_coords at its frame rate and fps, audio_coords, both branches' inputs and outputs.
+    Both pipelines batch [unconditional, conditional] in one call; both rows are checked."""
+    from diffusers import LTX2ImageToVideoPipeline
+    from PIL import Image
+
+    model = tiny_model_of("ltx2")
+    pipe = stock_pipeline(model)
+    call_kwargs = dict(prompt=AWKWARD, height=64, width=64, num_frames=9, num_inference_steps=2, guidance_scale=2.0,
+                       max_sequence_length=64)
+    if task == "i2v":
+        pipe = LTX2ImageToVideoPipeline.from_pipe(pipe)
+        call_kwargs["image"] = Image.fromarray(clip_frames(1, 64)[0])
+    modules = {"transformer": pipe.transformer}
+    audio_out: list = []
+    handle = pipe.transformer.register_forward_hook(lambda m, a, o: audio_out.append(o[1]))
+    try:
+        (call,) = record_pipeline(pipe, modules, 1, **call_kwargs)
+    finally:
+        handle.remove()
+    kept, dropped, _ = loader_batches(tmp_path, model)
+    student = student_of(model, **({"models.student.task": "i2v"} if task == "i2v" else {}))
+    for row, batch in ((1, kept), (0, dropped)):
+        cond = student.build_conditioning(batch)
+        assert cond.clean_frames == (1 if task == "i2v" else 0)
+        ltx2_check(student, call, cond, row)
+        audio = float((cond.extras["audio_prediction"].float() - audio_out[0][row : row + 1].float()).abs().max())
+        print(f"ltx2 {task} row {row} audio output {audio:.3g}")
+        assert audio <= TOL

@@ -52,6 +52,8 @@ FAMILY_RECIPES = {
     "cosmos2_2b_video2world_dfsft": "test_family_cosmos2.py",
     "hunyuan_video_15_480p_t2v_lora": "test_family_hunyuan_video_15.py",
     "hunyuan_video_15_480p_t2v_sft": "test_family_hunyuan_video_15.py",
+    "ltx2_t2v_lora": "test_family_ltx2.py",
+    "ltx2_t2av_lora": "test_family_ltx2.py",
 }
 
 

@@ -168,6 +168,9 @@ class LatentDataset(Dataset):
                 second = torch.zeros(shape, dtype=torch.float32)
             if second is not None:
                 texts["text_embedding_2"], texts["text_attention_mask_2"] = pad_text(second.float(), self.text_max_length)
+        if "audio_text_embedding" in self.text_columns:  # LTX-2's audio-branch text, padded as the video's
+            audio_text = read_tensor_column(row, "audio_text_embedding", where=where)
+            texts["audio_text_embedding"] = pad_text(audio_text.float(), self.text_max_length)[0]
         texts = {k: v.float() if k != "text_attention_mask_2" else v for k, v in texts.items() if v is not None}
         if self.cfg_rate > 0:
             # CFG dropout keyed by (seed, epoch, index): reproducible and independent of the split.
@@ -208,6 +211,8 @@ class LatentDataset(Dataset):
             out["pooled_text_embedding"] = u["pooled_text_embedding"].clone()
         if "text_embedding_2" in texts:
             out["text_embedding_2"], out["text_attention_mask_2"] = pad_text(u["text_embedding_2"].clone(), self.text_max_length)
+        if "audio_text_embedding" in texts:
+            out["audio_text_embedding"] = pad_text(u["audio_text_embedding"].clone(), self.text_max_length)[0]
         return padded, mask, out
 
 
@@ -266,7 +271,14 @@ def pad_text(text: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.T
 
 
 # name -> (dimensions, layout) of the image-to-video columns in an item.
-CONDITIONING_LAYOUTS = {"first_frame_latent": (4, "[C, T, H, W]"), "clip_feature": (2, "[L, D]"), "pil_image": (3, "[H, W, 3]")}
+CONDITIONING_LAYOUTS = {
+    "first_frame_latent": (4, "[C, T, H, W]"),
+    "clip_feature": (2, "[L, D]"),
+    "pil_image": (3, "[H, W, 3]"),
+    # LTX-2's raw audio latent (zeros for a clip kept without sound) and whether the clip has sound.
+    "audio_latent": (3, "[C, L, M]"),
+    "audio_present": (0, "[]"),
+}
 
 
 def conditioning_tensor(name: str, value: torch.Tensor, latent_shape: tuple, where: str) -> torch.Tensor:
@@ -305,7 +317,7 @@ def collate(items: list[dict]) -> dict:
     }
     if shapes != {None}:
         batch["vae_latent"] = torch.stack([it["vae_latent"] for it in items])
-    for name in (*CONDITIONING_LAYOUTS, "pooled_text_embedding", "text_embedding_2", "text_attention_mask_2"):
+    for name in (*CONDITIONING_LAYOUTS, "pooled_text_embedding", "text_embedding_2", "text_attention_mask_2", "audio_text_embedding"):
         holders = [it["sample_index"] for it in items if name in it]
         if len(holders) == len(items):
             batch[name] = torch.stack([it[name] for it in items])

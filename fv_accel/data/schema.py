@@ -27,10 +27,10 @@ METADATA_COLUMNS = ("id", "file_name", "caption", "media_type", "width", "height
 # [first frame, zero frames] [C, T, H, W], the CLIP image features [L, D] and the first frame, uint8
 # [H, W, 3]. Optional: text-to-video rows lack them, and FastVideo writes empty bytes for a feature
 # its model has none of (clip_feature of Wan 2.2).
-CONDITIONING_COLUMNS = ("first_frame_latent", "clip_feature", "pil_image")
+CONDITIONING_COLUMNS = ("first_frame_latent", "clip_feature", "pil_image", "audio_latent", "audio_present")
 # Text columns some families add beside `text_embedding` (each as <name>_bytes/_shape/_dtype): a
 # pooled text embedding [D] (HunyuanVideo's CLIP) and a second text encoder's sequence [L2, D2].
-TEXT_COLUMNS = ("pooled_text_embedding", "text_embedding_2")
+TEXT_COLUMNS = ("pooled_text_embedding", "text_embedding_2", "audio_text_embedding")
 
 
 def tensor_column_names() -> tuple[str, ...]:

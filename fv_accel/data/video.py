@@ -116,6 +116,7 @@ class ClipFrames:
     source_size: tuple[int, int]  # (height, width) as shown (display matrix applied)
     start: int
     orientation: tuple[str, ...] = ()  # the steps that showed it as its display matrix asks
+    source_fps: float = 0.0  # of the video stream (the start frame's time is start / source_fps)
 
 
 def _open(source: Union[str, Path, bytes]):
@@ -363,7 +364,10 @@ def read_clip(source: Union[str, Path, bytes], name: str, sampling: FrameSamplin
             raise ClipError(
                 "truncated", f"the file ends after {decoded} decodable frame(s); its header announces {count}"
             )
-        return ClipFrames(frames=out, fps=fps, source_frames=count, source_size=layout.shown, start=start, orientation=layout.steps)
+        return ClipFrames(
+            frames=out, fps=fps, source_frames=count, source_size=layout.shown, start=start, orientation=layout.steps,
+            source_fps=src_fps,
+        )
     finally:
         container.close()
 
@@ -393,8 +397,18 @@ def available_video_codec() -> str:
     raise RuntimeError("this PyAV build has neither the libx264 nor the mpeg4 encoder")
 
 
-def write_video(path: Union[str, Path], frames: np.ndarray, fps: float = 8.0, *, codec: Optional[str] = None, faststart: bool = False) -> Path:
-    """Write uint8 frames [F, H, W, 3] as an mp4 (through a temporary name, so a crash leaves none)."""
+def write_video(
+    path: Union[str, Path],
+    frames: np.ndarray,
+    fps: float = 8.0,
+    *,
+    codec: Optional[str] = None,
+    faststart: bool = False,
+    audio: Optional[tuple[np.ndarray, int]] = None,
+) -> Path:
+    """Write uint8 frames [F, H, W, 3] as an mp4 (through a temporary name, so a crash leaves none),
+    with `audio` = (float waveform [channels (1 or 2), samples] in [-1, 1], sample rate) as an AAC
+    track where given."""
     import av
 
     path = Path(path)
@@ -409,10 +423,28 @@ def write_video(path: Union[str, Path], frames: np.ndarray, fps: float = 8.0, *,
         if codec == "libx264":
             # High quality and single-threaded: the same frames give the same file on every machine.
             stream.options = {"crf": "12", "threads": "1"}
+        sound = container.add_stream("aac", rate=int(audio[1]), layout="stereo" if audio[0].shape[0] == 2 else "mono") if audio else None
         for f in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+        if sound is not None:
+            _encode_audio(container, sound, np.asarray(audio[0], dtype=np.float32), int(audio[1]))
     tmp.replace(path)
     return path
+
+
+def _encode_audio(container, stream, waveform: np.ndarray, rate: int) -> None:
+    """Mux a planar float waveform [channels, samples] through `stream` in the codec's frame size."""
+    import av
+
+    layout = "stereo" if waveform.shape[0] == 2 else "mono"
+    step = stream.codec_context.frame_size or 1024
+    for start in range(0, waveform.shape[1], step):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(waveform[:, start : start + step]), format="fltp", layout=layout)
+        frame.sample_rate, frame.pts = rate, start
+        for packet in stream.encode(frame):
+            container.mux(packet)
+    for packet in stream.encode(None):
+        container.mux(packet)

@@ -242,7 +242,65 @@ class TrainingMethod:
             raise RuntimeError("prepare_batch() must set TrainingBatch.latents and .conditioning")
         tb.noise = randn(tb.latents.shape, generator, tb.latents.device)
         idx = self.sample_homogeneous_indices(tb.latents.shape[0], generator, tb.latents.device, in_range=in_range)
-        return self.noise_to(tb, idx)
+        return self.noise_audio(self.noise_to(tb, idx), generator)
+
+    # ---- audio (families that make sound with the picture: LTX-2) ----
+    def noise_audio(self, tb: TrainingBatch, generator: GeneratorLike) -> TrainingBatch:
+        """Where the student gave clean audio latents (`tb.extras["audio"]`: an `AudioLatents`), draw
+        their noise after every video draw and noise them at the sample's level (the highest of its
+        frames': LTX2ImageToVideoPipeline's audio timestep beside a clean first frame). A sample
+        without sound gets pure noise (sigma 1). The noisy audio and its sigmas go to the conditioning
+        (`audio_noisy`, `audio_sigmas`) for the family's forward."""
+        audio = tb.extras.get("audio")
+        if audio is None:
+            return tb
+        return self.noise_audio_with(tb, randn(audio.latents.shape, generator, audio.latents.device))
+
+    def noise_audio_with(self, tb: TrainingBatch, noise: torch.Tensor) -> TrainingBatch:
+        """`noise_audio` with the audio noise given."""
+        audio = tb.extras["audio"]
+        sigma = tb.sigmas if tb.sigmas.ndim == 1 else tb.sigmas.amax(dim=1)
+        sigma = torch.where(audio.present, sigma, torch.ones_like(sigma))
+        s = sigma.view(-1, *([1] * (audio.latents.ndim - 1)))
+        tb.extras["audio_noise"] = noise
+        tb.conditioning.extras["audio_noisy"] = (1.0 - s) * audio.latents + s * noise
+        tb.conditioning.extras["audio_sigmas"] = sigma
+        return tb
+
+    def audio_loss(self, tb: TrainingBatch) -> Optional[torch.Tensor]:
+        """The audio velocity's mean squared error over the samples with sound, where the student
+        trains its audio (`train_audio`); None otherwise (or when no sample of the batch has sound)."""
+        if not self.student.trains_audio:
+            return None
+        return self.audio_error(tb)
+
+    def audio_error(self, tb: TrainingBatch) -> Optional[torch.Tensor]:
+        """The audio velocity's mean squared error over the samples with sound (None without any)."""
+        audio = tb.extras.get("audio")
+        pred = tb.conditioning.extras.get("audio_prediction") if tb.conditioning is not None else None
+        if audio is None or pred is None or not bool(audio.present.any()):
+            return None
+        err = (pred.float() - (tb.extras["audio_noise"].float() - audio.latents.float())).pow(2)
+        per_sample = err.flatten(1).mean(dim=1)
+        return per_sample[audio.present].mean()
+
+    def with_audio_loss(self, video_loss: torch.Tensor, tb: TrainingBatch, loss_key: str) -> tuple[dict, dict, dict]:
+        """The step result of `video_loss`, plus (joint training) the audio loss weighted by
+        `training.audio.loss_weight` in the total, both logged (`video_loss`, `audio_loss`) with the
+        share of the batch's samples that have sound (`audio_share`). A batch without sound adds an
+        audio loss of 0 that still reaches every audio parameter, so that the processes of a
+        data-parallel run all log the same keys and reduce gradients of the same parameters."""
+        pred = tb.conditioning.extras.get("audio_prediction") if tb.conditioning is not None else None
+        if not self.student.trains_audio or pred is None:
+            return self._step_result(video_loss, tb, loss_key)
+        audio = self.audio_loss(tb)
+        if audio is None:
+            audio = pred.float().sum() * 0.0
+        total = video_loss + float(self.training_config.audio.loss_weight) * audio
+        loss_map, outputs, metrics = self._step_result(total, tb, loss_key)
+        loss_map.update(video_loss=video_loss, audio_loss=audio)
+        metrics["audio_share"] = tb.extras["audio"].present.float().mean()
+        return loss_map, outputs, metrics
 
     def noise_to(self, tb: TrainingBatch, idx: torch.Tensor) -> TrainingBatch:
         """Set the noise level (table indices [B] or per frame [B, T]) and noise the clean latents.
@@ -290,13 +348,22 @@ class TrainingMethod:
 
     @torch.no_grad()
     def heldout_loss(
-        self, latents: torch.Tensor, noise: torch.Tensor, idx: torch.Tensor, conditioning: Conditioning
+        self, latents: torch.Tensor, noise: torch.Tensor, idx: torch.Tensor, conditioning: Conditioning,
+        audio: Any = None, audio_noise: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The unweighted training loss of clean `latents` noised with the given `noise` to table
-        indices `idx` ([B], or per frame [B, T]): the held-out evaluation's score."""
+        indices `idx` ([B], or per frame [B, T]): the held-out evaluation's score. With the clean
+        `audio` of a family that makes sound (and its `audio_noise`), the audio is noised at the
+        samples' levels and its loss, where a sample has sound, is left in
+        `conditioning.extras["audio_loss"]`; the video's is returned."""
         tb = TrainingBatch(latents=latents, noise=noise, conditioning=conditioning)
         self.noise_to(tb, idx.clone())
+        if audio is not None:
+            tb.extras["audio"] = audio
+            self.noise_audio_with(tb, audio_noise)
         pred = self.student.forward(tb.noisy_model_input, tb.timesteps, conditioning)
+        if audio is not None:
+            conditioning.extras["audio_loss"] = self.audio_error(tb)
         return self.unweighted_loss(pred, tb)
 
     def _step_result(

@@ -141,6 +141,11 @@ class ModelBase:
     _trainable: bool = True
     # The role this model plays in training: student, teacher or critic.
     role: str = "student"
+    # Whether the student trains a sound branch beside the picture (LTX-2 with train_audio): the
+    # methods add its loss (fv_accel/methods/base.py `audio_loss`).
+    trains_audio: bool = False
+    # Whether the family's transformer has an audio branch (models.student.train_audio is refused otherwise).
+    has_audio: ClassVar[bool] = False
     # The VSA controllers of the transformers (`training.vsa`; fv_accel.vsa), empty when dense.
     vsa_controllers: tuple = ()
     # Causal attention block size in latent frames, or None for bidirectional attention.
@@ -375,6 +380,21 @@ class ModelBase:
     def sample_latents(self, vae: Any, cond: Conditioning, negative: Optional[Conditioning], **kwargs: Any) -> Any:
         """Normalised latents of a sample through the family's own diffusers pipeline, or None when
         the family samples with fv_accel's Euler sampler over `forward` (validation then does)."""
+        return None
+
+    @classmethod
+    def default_lora_targets(cls, config: Any, student_config: Any) -> tuple[str, ...]:
+        """The LoRA targets of a recipe that names none, for a transformer of `config`."""
+        return cls.lora_target_modules
+
+    def clean_audio(self, batch: dict, num_latent_frames: int) -> Any:
+        """The batch's clean sound for families that make sound with the picture (LTX-2's
+        `AudioLatents`), else None."""
+        return None
+
+    def sample_sound(self) -> Any:
+        """The sound of the last `sample_latents` sample, (float waveform [channels, samples], sample
+        rate), for families that make sound with the picture; None otherwise."""
         return None
 
     def training_shift(self, latent_shape: torch.Size) -> float:

@@ -28,6 +28,8 @@ TEXT_MAX_LENGTH = 512
 TEXT = "text"
 FIRST_FRAME = "first_frame"
 CLIP_FEATURE = "clip_feature"
+# The clip's sound (LTX-2): preprocessing stores `audio_latent` and `audio_present` beside the video's.
+AUDIO = "audio"
 IMAGE_TO_VIDEO_PIPELINES = ("WanImageToVideoPipeline",)
 # The transformer input of a channel-concatenating image-to-video model: [noisy latent (z_dim),
 # mask (4: the first pixel frame repeated over the VAE's 4x time compression), condition (z_dim)].
@@ -47,7 +49,7 @@ def wan_prompt_clean(text: str) -> str:
 class EncodingSpec:
     """What preprocessing stores for a model and at which geometry, from its configs alone."""
 
-    conditioning: tuple[str, ...]  # TEXT, then FIRST_FRAME, CLIP_FEATURE where the model takes them
+    conditioning: tuple[str, ...]  # TEXT, then FIRST_FRAME, CLIP_FEATURE, AUDIO where the model takes them
     z_dim: int
     scale_factor_spatial: int
     scale_factor_temporal: int

@@ -242,14 +242,15 @@ def install_ltx_causal_attention(transformer: torch.nn.Module, spec: Any, backen
     return controller
 
 
-def _vae_weights_file(model: str, revision: Optional[str]) -> Path:
-    """The VAE's safetensors file holding `latents_mean`/`latents_std` (single or sharded)."""
+def _vae_weights_file(model: str, revision: Optional[str], subfolder: str = "vae") -> Path:
+    """The VAE's safetensors file holding `latents_mean`/`latents_std` (single or sharded), in
+    `subfolder` (LTX-2's audio VAE: audio_vae)."""
     local = Path(model)
     name = "diffusion_pytorch_model.safetensors"
 
     def fetch(filename: str) -> Optional[Path]:
         if local.exists():
-            path = local / "vae" / filename
+            path = local / subfolder / filename
             return path if path.is_file() else None
         from huggingface_hub import hf_hub_download
         from huggingface_hub import errors as hf_errors
@@ -258,7 +259,7 @@ def _vae_weights_file(model: str, revision: Optional[str]) -> Path:
 
         local_only = offline_unless_hub_answers()
         try:
-            return Path(hf_hub_download(model, filename, subfolder="vae", revision=revision, local_files_only=local_only))
+            return Path(hf_hub_download(model, filename, subfolder=subfolder, revision=revision, local_files_only=local_only))
         except hf_errors.EntryNotFoundError:
             return None
 
@@ -269,13 +270,13 @@ def _vae_weights_file(model: str, revision: Optional[str]) -> Path:
     if index is None:
         from fv_accel.models.loading import ModelLoadError
 
-        raise ModelLoadError(f"model '{model}': vae/ holds no {name} (safetensors weights expected)")
+        raise ModelLoadError(f"model '{model}': {subfolder}/ holds no {name} (safetensors weights expected)")
     shard = json.loads(index.read_text())["weight_map"]["latents_mean"]
     path = fetch(shard)
     if path is None:
         from fv_accel.models.loading import ModelLoadError
 
-        raise ModelLoadError(f"model '{model}': vae/{shard} (named by the VAE's index) is missing")
+        raise ModelLoadError(f"model '{model}': {subfolder}/{shard} (named by the VAE's index) is missing")
     return path
 
 

@@ -133,6 +133,11 @@ class DiffusersStudent(ModelBase):
                 f"models.student.task is i2v but model '{where}' ({self.family} family) takes no image condition: "
                 "set t2v or auto"
             )
+        if st.train_audio and not self.has_audio:
+            raise ValueError(
+                f"models.student.train_audio is true but model '{where}' ({self.family} family) has no audio branch "
+                "(only LTX-2 makes sound): remove the key"
+            )
         if st.guidance is not None and not self.takes_guidance:
             raise ValueError(
                 f"models.student.guidance: {st.guidance}: the {self.family} family's {type(self.modules[0]).__name__} "

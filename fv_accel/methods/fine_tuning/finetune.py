@@ -28,7 +28,7 @@ class FineTuneMethod(TrainingMethod):
         pred = self.student.predict_noise(
             tb.noisy_model_input, tb.timesteps, tb, conditional=True, attn_kind=self._attn_kind
         )
-        return self._step_result(self.unweighted_loss(pred, tb), tb, "finetune_loss")
+        return self.with_audio_loss(self.unweighted_loss(pred, tb), tb, "finetune_loss")
 
     def math_signature(self) -> dict[str, Any]:
         sig = super().math_signature()

@@ -1,0 +1,298 @@
+"""The LTX-2 family on its tiny model: the stock LTX2Pipeline loads it and makes video and sound;
+a video-only LoRA run (train_audio false) changes no audio or cross-modal weight and its LoRA file
+holds no audio key; a joint run (train_audio true) changes both branches and logs both losses; each
+LoRA loads back in LTX2Pipeline.load_lora_weights and the pipeline generates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from family_helpers import preprocess_sound_clips, run_overrides
+from fv_accel.models.ltx2 import is_audio_or_cross_modal
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def ltx2(tmp_path_factory, tiny_model_of):
+    """The tiny LTX-2 and its preprocessing of three clips: one with sound, one without, one whose
+    sound is shorter than its picture."""
+    model = tiny_model_of("ltx2")
+    root = tmp_path_factory.mktemp("ltx2")
+    result = preprocess_sound_clips(model, root)
+    assert result.encoded == 3 and result.audio["with_sound"] == 2, result.summary
+    return model, root / "data"
+
+
+def generate(pipe):
+    return pipe(prompt="a red ball", num_frames=9, height=64, width=64, num_inference_steps=2, guidance_scale=1.0,
+                output_type="pt", max_sequence_length=64, generator=torch.Generator().manual_seed(0))
+
+
+def test_the_stock_pipeline_loads_the_tiny_ltx2_and_makes_video_and_sound(ltx2):
+    from diffusers import DiffusionPipeline, LTX2Pipeline
+
+    pipe = DiffusionPipeline.from_pretrained(str(ltx2[0]))
+    assert type(pipe) is LTX2Pipeline
+    out = generate(pipe)
+    assert tuple(out.frames.shape) == (1, 9, 3, 64, 64)
+    assert out.audio.shape[:2] == (1, 2) and out.audio.shape[-1] > 1000  # stereo, 16 kHz
+
+
+def train(tmp_path: Path, ltx2, **extra) -> Path:
+    from fv_accel.build import build_from_config
+    from fv_accel.config import default_recipe
+    from fv_accel.trainer import Trainer
+
+    model, data = ltx2
+    over = run_overrides(tmp_path, model, data, **{"models.student.lora.enable": True, "training.data.text_max_length": 64, **extra})
+    Trainer(build_from_config(default_recipe("finetune"), over)).run()
+    return tmp_path / "out"
+
+
+def lora_deltas(out: Path, model: Path) -> dict[str, float]:
+    """max |delta W| per base weight of the transformer from the run's LoRA file (B @ A * scale)."""
+    from diffusers import LTX2Pipeline
+
+    pipe = LTX2Pipeline.from_pretrained(str(model))
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    pipe.load_lora_weights(str(out))
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    after = pipe.transformer.state_dict()
+    out = generate(pipe)
+    assert tuple(out.frames.shape) == (1, 9, 3, 64, 64)
+    assert out.audio.shape[:2] == (1, 2) and out.audio.shape[-1] > 1000 and bool(torch.isfinite(out.audio).all())
+    return {k: float((after[k] - v).abs().max()) for k, v in before.items()}
+
+
+def read_metrics(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.slow
+def test_video_only_lora_keeps_every_audio_and_cross_modal_weight(tmp_path, ltx2):
+    out = train(tmp_path, ltx2, **{"training.optimizer.learning_rate": 1e-2})
+    lora = load_file(str(out / "pytorch_lora_weights.safetensors"))
+    keys = list(lora)
+    assert keys and not [k for k in keys if is_audio_or_cross_modal(k)]
+    # ComfyUI's layout (its LTXAVModel keeps these block names): the same tensors, lora_down/lora_up.
+    comfy = load_file(str(out / "pytorch_lora_weights_comfyui.safetensors"))
+    for key, value in lora.items():
+        name = key.replace("transformer.", "diffusion_model.", 1)
+        name = name.replace(".lora_A.weight", ".lora_down.weight").replace(".lora_B.weight", ".lora_up.weight")
+        assert torch.equal(comfy[name], value), name
+    assert "diffusion_model.transformer_blocks.0.attn1.to_out.0.alpha" in comfy
+    assert not [k for k in comfy if is_audio_or_cross_modal(k)]
+    deltas = lora_deltas(out, ltx2[0])
+    audio = {k: d for k, d in deltas.items() if is_audio_or_cross_modal(k)}
+    video = {k: d for k, d in deltas.items() if not is_audio_or_cross_modal(k)}
+    print(f"video-only LoRA: {len(audio)} audio/cross-modal weights, max |delta| {max(audio.values())}; "
+          f"{len(video)} video weights, max |delta| {max(video.values()):.3g}")
+    assert audio and max(audio.values()) == 0.0
+    assert max(video.values()) > 0
+
+
+@pytest.mark.slow
+def test_joint_lora_changes_both_branches(tmp_path, ltx2):
+    out = train(tmp_path, ltx2, **{"training.optimizer.learning_rate": 1e-2, "models.student.train_audio": True})
+    keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
+    assert [k for k in keys if "audio_attn1" in k] and [k for k in keys if "video_to_audio_attn" in k]
+    deltas = lora_deltas(out, ltx2[0])
+    print("joint LoRA: max |delta| audio_attn1 %.3g, video_to_audio_attn %.3g, video attn1.to_q %.3g" % (
+        max(d for k, d in deltas.items() if "audio_attn1" in k), max(d for k, d in deltas.items() if "video_to_audio_attn" in k),
+        max(d for k, d in deltas.items() if k.endswith("attn1.to_q.weight") and "audio" not in k)))
+    assert max(d for k, d in deltas.items() if "audio_attn1" in k) > 0
+    assert max(d for k, d in deltas.items() if k.endswith("attn1.to_q.weight") and "audio" not in k) > 0
+
+
+def test_joint_step_adds_the_weighted_audio_loss_and_reports_both(ltx2):
+    """A batch with sound (an audio latent of the pipeline's length for 17 frames at 24 fps): the
+    finetune step's total is video + training.audio.loss_weight * audio, both in its loss map; with
+    train_audio false the total is the video loss alone."""
+    from fv_accel.config import default_recipe, load_config
+    from fv_accel.data.loader import LatentDataset, collate
+    from fv_accel.methods import METHODS
+    from fv_accel.models import build_student
+
+    model, data = ltx2
+    batch = collate([LatentDataset(str(data))[(0, 0, 0)]])
+    torch.manual_seed(0)
+    batch["audio_latent"] = torch.randn(1, 2, 18, 4)  # [B, C, L, M]: round(17 / 24 * 25) latent frames
+    batch["audio_present"] = torch.ones(1)
+    maps = {}
+    for joint in (True, False):
+        over = {"models.student.init_from": str(model), "models.student.train_audio": joint,
+                "training.audio.loss_weight": 0.5, "callbacks.validation.enable": False}
+        cfg = load_config(default_recipe("finetune"), over)
+        student = build_student(cfg)
+        method = METHODS["finetune"](cfg=cfg, role_models={"student": student})
+        maps[joint], _, _ = method.single_train_step(batch, 0)
+    joint = maps[True]
+    assert float(joint["audio_loss"]) > 0
+    assert torch.allclose(joint["total_loss"], joint["video_loss"] + 0.5 * joint["audio_loss"])
+    assert "audio_loss" not in maps[False] and torch.isfinite(maps[False]["total_loss"])
+
+
+@pytest.mark.slow
+def test_sample_videos_carry_the_sound_the_pipeline_made(tmp_path, ltx2):
+    """Validation samples through LTX2Pipeline around the live transformer: the mp4 has an AAC track as
+    long as its picture at the pipeline's 24 fps (17 frames: 0.71 s)."""
+    import av
+
+    train(tmp_path, ltx2, **{
+        "training.loop.max_train_steps": 1, "callbacks.validation.enable": True, "callbacks.validation.prompts": ["a red ball"],
+        "callbacks.validation.sampling_steps": 2, "callbacks.validation.guidance_scale": 1.0,
+        "callbacks.validation.every_steps": 1,
+    })
+    (video,) = (tmp_path / "out" / "samples" / "step-1").glob("*.mp4")
+    with av.open(str(video)) as container:
+        picture, sound = container.streams.video[0], container.streams.audio[0]
+        seconds = [float(s.duration * s.time_base) for s in (picture, sound)]
+        assert sound.codec_context.name == "aac" and sound.codec_context.channels == 2
+    assert seconds[0] == pytest.approx(17 / 24, abs=1e-3)
+    assert seconds[1] == pytest.approx(seconds[0], abs=0.05)
+
+
+# ---- recipes ----
+
+ROOT = Path(__file__).resolve().parents[1]
+LTX2_RECIPES = {"ltx2_t2v_lora": False, "ltx2_t2av_lora": True}  # recipe -> train_audio
+
+
+@pytest.mark.parametrize("name", sorted(LTX2_RECIPES))
+def test_ltx2_recipes_dry_run_offline_with_the_memory_estimate(name, capsys, monkeypatch):
+    """Each recipe prints offline (the Hub id of LTX2Pipeline's docstrings, no network) with the
+    memory estimate of the published LTX-2.0 architecture: rank-64 LoRA on the video attention
+    (attn1, attn2: 4 projections 4096 -> 4096 each, 48 blocks), and with train_audio also on the audio
+    attention (2048 wide) and the cross-modal attention (2048 wide, keys and values of the video for
+    audio-to-video from 4096)."""
+    import yaml
+
+    from fv_accel.cli import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main("finetune", ["--config", f"configs/{name}.yaml", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    st = yaml.safe_load(out)["models"]["student"]
+    assert st["init_from"] == "Lightricks/LTX-2" and st["train_audio"] is LTX2_RECIPES[name] and st["lora"]["enable"]
+    rank, layers = 64, 48
+
+    def lora(i, o):
+        return rank * (i + o)
+
+    video = 8 * lora(4096, 4096)
+    audio = 8 * lora(2048, 2048)
+    # audio_to_video_attn: queries from the video (4096), keys/values from the audio (2048), output 4096 -> inner
+    # 2048 -> 4096; video_to_audio_attn the other way round.
+    a2v = lora(4096, 2048) + lora(2048, 2048) * 2 + lora(2048, 4096)
+    v2a = lora(2048, 2048) + lora(4096, 2048) * 2 + lora(2048, 2048)
+    expected = layers * (video + (audio + a2v + v2a if LTX2_RECIPES[name] else 0))
+    assert f"LoRA rank 64 ({expected:,} of " in out, out[-1500:]
+
+
+def test_train_audio_on_a_family_without_sound_is_refused_in_one_line():
+    from fv_accel.config import default_recipe, load_config
+    from fv_accel.models import build_student
+
+    cfg = load_config(default_recipe("finetune"), {"models.student.train_audio": True, "callbacks.validation.enable": False})
+    with pytest.raises(ValueError) as err:
+        build_student(cfg)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("models.student.train_audio is true but model 'models.student.transformer_config' (wan family)")
+
+
+def test_heldout_loss_reports_video_and_audio_apart(tmp_path, ltx2):
+    """The held-out evaluation feeds each clip's sound (its noise from the clip's fixed generator) and
+    logs the audio loss apart (`heldout/audio_loss`, per sigma bucket, over the clips with sound)
+    beside the video's (`heldout/loss`)."""
+    _, data = ltx2
+    out = train(tmp_path, ltx2, **{
+        "training.loop.max_train_steps": 1, "callbacks.validation.enable": True, "callbacks.validation.prompts": [],
+        "callbacks.validation.heldout_data_path": str(data), "callbacks.validation.heldout_max_samples": 3,
+        "callbacks.validation.every_steps": 1,
+    })
+    logs = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    heldout = [m for m in logs if "heldout/loss" in m][-1]
+    buckets = [k for k in heldout if k.startswith("heldout/audio_sigma_")]
+    assert len(buckets) == 5 and heldout["heldout/audio_loss"] == pytest.approx(sum(heldout[k] for k in buckets) / 5)
+    assert heldout["heldout/audio_loss"] > 0 and heldout["heldout/loss"] > 0
+    assert heldout["heldout/audio_loss"] != heldout["heldout/loss"]
+
+
+@pytest.mark.slow
+def test_joint_run_resumes_exactly(tmp_path, ltx2):
+    """A joint (video + audio) LoRA run stopped at step 2 and resumed replays steps 3 and 4 as the
+    uninterrupted run: the same video and audio losses, the same LoRA weights."""
+    from fv_accel.build import build_from_config
+    from fv_accel.config import default_recipe
+    from fv_accel.trainer import Trainer
+    from resume_helpers import reset_accelerate
+
+    model, data = ltx2
+
+    def run(out, **extra):
+        over = run_overrides(out, model, data, **{
+            "models.student.lora.enable": True, "models.student.train_audio": True, "training.data.text_max_length": 64,
+            "training.loop.max_train_steps": 4, "training.optimizer.lr_warmup_steps": 3,
+            "training.checkpoint.training_state_checkpointing_steps": 2, **extra,
+        })
+        reset_accelerate()
+        Trainer(build_from_config(default_recipe("finetune"), over)).run()
+        logs = [json.loads(line) for line in (out / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
+        losses = {m["step"]: (m["total_loss"], m.get("video_loss"), m.get("audio_loss")) for m in logs if "total_loss" in m}
+        return losses, load_file(str(out / "out" / "pytorch_lora_weights.safetensors"))
+
+    straight, straight_lora = run(tmp_path / "a")
+    resumed, resumed_lora = run(tmp_path / "b", **{
+        "training.checkpoint.resume_from_checkpoint": str(tmp_path / "a" / "out" / "checkpoint-2"),
+    })
+    assert sorted(resumed) == [3, 4] and sorted(straight) == [1, 2, 3, 4]  # it started from the checkpoint
+    assert [resumed[s] for s in (3, 4)] == [straight[s] for s in (3, 4)]
+    assert any(straight[s][2] is not None for s in (3, 4))  # an audio loss among the replayed steps
+    assert straight_lora.keys() == resumed_lora.keys()
+    assert all(torch.equal(straight_lora[k], resumed_lora[k]) for k in straight_lora)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_joint_run_on_two_processes_ddp_and_fsdp2(tmp_path, ltx2):
+    """Joint LoRA training on two CPU processes, under DDP and under FSDP2: a step where one process
+    holds a clip without sound and the other one with sound runs (both log the same keys and reduce
+    the same gradients), and the two engines log the same losses."""
+    import os
+    import subprocess
+    import sys
+
+    from launch_helpers import ANY_FREE_PORT
+
+    model, data = ltx2
+    accelerate = Path(sys.executable).parent / "accelerate"
+    logs = {}
+    for engine, launch in (("DDP", ["--multi_gpu"]), ("FSDP2", ["--config_file", str(ROOT / "accelerate_configs" / "fsdp2.yaml")])):
+        out = tmp_path / engine
+        env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+        env.update(OMP_NUM_THREADS="1", **({"ACCELERATE_USE_CPU": "1"} if engine == "DDP" else {}))
+        cmd = [str(accelerate), "launch", *launch, "--num_processes", "2", *ANY_FREE_PORT, "train_finetune.py",
+               "--config", "configs/tiny_finetune.yaml", "--models.student.init_from", str(model),
+               "--models.student.lora.enable", "true", "--models.student.train_audio", "true",
+               "--training.data.data_path", str(data), "--training.data.train_batch_size", "1",
+               "--training.loop.max_train_steps", "3", "--callbacks.validation.enable", "false", "--callbacks.ema.enable", "false",
+               "--training.checkpoint.output_dir", str(out)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        assert f"engine {engine}" in proc.stderr and "| 2 processes |" in proc.stderr
+        logs[engine] = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    shares = [m["audio_share"] for m in logs["DDP"]]
+    assert 0.5 in shares, shares  # a step with sound on one process only
+    for a, b in zip(logs["DDP"], logs["FSDP2"]):
+        for key in ("video_loss", "audio_loss", "total_loss"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a["step"])
