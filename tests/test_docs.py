@@ -146,6 +146,12 @@ def table_keys_in(text: str) -> list[tuple[str, str]]:
 
 # ---- the checks ----
 
+def _section_type(tp: typing.Any) -> typing.Any:
+    """An optional section (`Optional[StudentConfig]`, the distillation roles) as its dataclass."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else tp
+
+
 def key_exists(dotted: str) -> bool:
     """A recipe key or section, by its dotted name; `heldout_*` matches a prefix, `section.*` the section."""
     node: typing.Any = RunConfig
@@ -159,7 +165,7 @@ def key_exists(dotted: str) -> bool:
             return any(name.startswith(part[:-1]) for name in hints)
         if part not in hints:
             return False
-        node = hints[part]
+        node = _section_type(hints[part])
     return True
 
 
@@ -170,7 +176,7 @@ def is_section(dotted: str) -> bool:
         hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
         if part not in hints:
             return False
-        node = hints[part]
+        node = _section_type(hints[part])
     return dataclasses.is_dataclass(node)
 
 
