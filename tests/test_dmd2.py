@@ -270,3 +270,39 @@ def test_the_stock_pipeline_with_the_saved_scheduler_samples_what_validation_sam
     assert (stock.float() - latents.float()).abs().max().item() < 1e-4
     card = (out / "README.md").read_text()
     assert 'FlowMatchLCMScheduler.from_pretrained(' in card and "num_inference_steps=4, guidance_scale=1.0" in card
+
+
+@pytest.mark.slow
+def test_lora_student_and_critic_resume_bitwise_and_save_their_adapters(tmp_path):
+    lora = {"models.student.lora.enable": True, "models.critic.lora.enable": True, "method.generator_update_interval": 1,
+            "training.checkpoint.training_state_checkpointing_steps": 1}
+    straight = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path / "a", **lora, **{"training.loop.max_train_steps": 2}))
+    Trainer(straight).run()
+    first = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path / "b", **lora, **{"training.loop.max_train_steps": 1}))
+    Trainer(first).run()
+    ckpt = tmp_path / "b" / "out" / "checkpoint-1"
+    assert (ckpt / "pytorch_lora_weights.safetensors").is_file() and (ckpt / "critic" / "pytorch_lora_weights.safetensors").is_file()
+    resumed = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path / "b", **lora, **{
+        "training.loop.max_train_steps": 2, "training.checkpoint.resume_from_checkpoint": "latest"}))
+    Trainer(resumed).run()
+    for sub in ("", "critic/"):
+        a = load_file(str(tmp_path / "a" / "out" / f"{sub}pytorch_lora_weights.safetensors"))
+        b = load_file(str(tmp_path / "b" / "out" / f"{sub}pytorch_lora_weights.safetensors"))
+        assert a.keys() == b.keys() and all("lora" in k for k in a)
+        assert all(torch.equal(a[k], b[k]) for k in a), sub
+    # Only the adapters train: the frozen bases of student and critic equal the teacher's.
+    teacher = straight.method.teacher.transformer.state_dict()
+    base = {k.replace("base_layer.", ""): v for k, v in straight.method.student.transformer.state_dict().items() if "lora" not in k}
+    assert all(torch.equal(base[k], teacher[k]) for k in teacher)
+
+
+def test_a_vsa_student_trains_sparse_beside_dense_teacher_and_critic(tmp_path):
+    run = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path, **{
+        "training.vsa.sparsity": 0.5, "training.loop.max_train_steps": 2, "method.generator_update_interval": 1,
+        "training.tracker.log_every": 1}))
+    m = run.method
+    assert m.student.vsa_controllers and not m.teacher.vsa_controllers and not m.critic.vsa_controllers
+    summary = Trainer(run).run()
+    assert summary["steps"] == 2 and summary["skipped_steps"] == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["vsa_sparsity"] for r in rows] == [0.5, 0.5]
