@@ -524,7 +524,10 @@ def sampling_model_source(cfg: Any, data_path: Optional[str]) -> Optional[str]:
     val, st = cfg.callbacks.validation, cfg.models.student
     if val.model_from:
         return val.model_from
-    if st.init_from:
+    # A run folder of ours (transformer/ without vae/: a distillation teacher's run) has no VAE or
+    # text encoder: the dataset's encoding model has them.
+    run_folder = st.init_from and Path(st.init_from).is_dir() and not (Path(st.init_from) / "vae").is_dir()
+    if st.init_from and not run_folder:
         return st.init_from
     if data_path:
         return read_dataset_info(data_path).get("model")
