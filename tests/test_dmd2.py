@@ -81,8 +81,10 @@ def test_the_student_steps_every_interval_and_the_teacher_never_changes(tmp_path
 
 
 @pytest.mark.slow
-def test_resume_equals_a_straight_run_bitwise(tmp_path):
-    common = {"method.generator_update_interval": 2, "training.checkpoint.training_state_checkpointing_steps": 3}
+@pytest.mark.parametrize("mode", ["simulate", "data_latent"])
+def test_resume_equals_a_straight_run_bitwise(tmp_path, mode):
+    common = {"method.generator_update_interval": 2, "training.checkpoint.training_state_checkpointing_steps": 3,
+              "method.rollout_mode": mode}
     straight = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path / "a", **common, **{"training.loop.max_train_steps": 6}))
     Trainer(straight).run()
     first = build_from_config(DMD2_RECIPE, dmd2_overrides(tmp_path / "b", **common, **{"training.loop.max_train_steps": 3}))
