@@ -391,7 +391,7 @@ def resolve_data_path(cfg: RunConfig, accelerator) -> str:
     from fv_accel.tiny import tiny_dataset
 
     with accelerator.main_process_first():
-        return str(tiny_dataset(cfg.training.data))
+        return str(tiny_dataset(cfg.training.data, run_cfg=cfg))
 
 
 def _latent_stats_from_dataset(cfg: RunConfig, data_path: str) -> None:

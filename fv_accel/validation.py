@@ -239,7 +239,7 @@ def heldout_split(num_rows: int, fraction: float, seed: int) -> list[int]:
 
 def resolve_heldout_path(cfg: Any, accelerator: Any = None) -> Optional[str]:
     """`heldout_data_path`, with "tiny" built (once, cached) as new tiny clips: the same
-    distribution as the tiny training set, other clips (data seed + 1)."""
+    distribution as the tiny training set, other clips (data seed + 1), encoded by the same model."""
     import dataclasses
 
     val = cfg.callbacks.validation
@@ -252,7 +252,7 @@ def resolve_heldout_path(cfg: Any, accelerator: Any = None) -> Optional[str]:
     )
     context = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
     with context:
-        return str(tiny_dataset(data))
+        return str(tiny_dataset(data, run_cfg=cfg))
 
 
 def training_exclusions(cfg: Any, data_path: str) -> list[int]:

@@ -296,3 +296,34 @@ def test_joint_run_on_two_processes_ddp_and_fsdp2(tmp_path, ltx2):
     for a, b in zip(logs["DDP"], logs["FSDP2"]):
         for key in ("video_loss", "audio_loss", "total_loss"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a["step"])
+
+
+@pytest.mark.slow
+def test_tiny_data_path_follows_an_ltx2_student(tmp_path, tiny_model_of, caplog):
+    """`data_path: tiny` with an LTX-2 student (the issue's video-only command, 2 steps): the recipe's
+    clips (21 frames at 48x48) are encoded by the student's own model at the nearest size its VAE
+    takes (25 frames at 64x64), each with a tone, and the LoRA trains on them without an audio key."""
+    import logging
+
+    from conftest import tiny_overrides
+    from fv_accel.build import build_from_config
+    from fv_accel.config import default_recipe
+    from fv_accel.data.schema import read_dataset_info
+    from fv_accel.trainer import Trainer
+
+    model = tiny_model_of("ltx2")
+    over = tiny_overrides(tmp_path, **{
+        "models.student.init_from": str(model), "models.student.lora.enable": True,
+        "training.loop.max_train_steps": 2, "training.data.text_max_length": 64,
+    })
+    with caplog.at_level(logging.INFO, logger="fv_accel.tiny.data"):
+        run = build_from_config(default_recipe("finetune"), over)
+    assert run.config.training.data.data_path == "tiny"
+    info = read_dataset_info(run.dataloader.dataset.data_path)
+    assert (info["family"], info["model"], info["vae_class"]) == ("ltx2", str(model), "AutoencoderKLLTX2Video")
+    assert info["preprocessing"]["num_frames"] == [25] and info["preprocessing"]["buckets"] == [[64, 64]]
+    assert info["audio"]["with_sound"] == info["num_rows"] == 8
+    assert "21 frames at 48x48 -> 25 frames at 64x64" in caplog.text
+    Trainer(run).run()
+    keys = list(load_file(str(tmp_path / "out" / "pytorch_lora_weights.safetensors")))
+    assert keys and not [k for k in keys if is_audio_or_cross_modal(k)]

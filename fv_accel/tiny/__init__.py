@@ -6,7 +6,8 @@ below `build` and validation, which use it for the `tiny` data path.
 This module is the tiny world's one door: code outside fv_accel/tiny/ uses it only through the
 names in `__all__` (tests/test_layering.py checks), each importing what it needs when called:
 
-- the `data_path: tiny` source: `tiny_dataset` (its folder of Parquet shards, built on first use)
+- the `data_path: tiny` source: `tiny_dataset` (its folder of Parquet shards, built on first use,
+  encoded by the tiny Wan or by a student of another family's own model)
   and `tiny_caption_words` (the words of the captions its clips carry);
 - the tiny model builder: `tiny_models` (every tiny model by name) and `tiny_model_defaults`;
 - the multimodal world's measure: `tiny_clip_modes` (each sample's distance to the nearest clip
@@ -21,12 +22,16 @@ from typing import Any, Optional
 __all__ = ["tiny_dataset", "tiny_caption_words", "tiny_models", "tiny_model_defaults", "tiny_clip_modes"]
 
 
-def tiny_dataset(data_cfg: Any, cache_dir: Optional[str] = None) -> Path:
+def tiny_dataset(data_cfg: Any, cache_dir: Optional[str] = None, run_cfg: Any = None) -> Path:
     """The `data_path: tiny` source: the folder holding the tiny dataset's Parquet shards for these
-    `training.data` settings, rendered and encoded once, then cached (fv_accel/tiny/data.py)."""
-    from fv_accel.tiny.data import ensure_tiny_dataset
+    `training.data` settings, rendered and encoded once, then cached (fv_accel/tiny/data.py). With
+    `run_cfg` (the run's config), the clips follow its student: encoded by the tiny Wan for a Wan
+    student, else by the student's own model at the nearest size its VAE takes, with a tone per clip
+    for a model with sound (`student_encoding_model`)."""
+    from fv_accel.tiny.data import ensure_tiny_dataset, student_encoding_model
 
-    return ensure_tiny_dataset(data_cfg, cache_dir)
+    model = student_encoding_model(run_cfg) if run_cfg is not None else None
+    return ensure_tiny_dataset(data_cfg, cache_dir, model)
 
 
 def tiny_caption_words() -> dict[str, tuple]:
