@@ -901,8 +901,9 @@ def load_checkpoint(trainer: Any, ckpt: Path) -> int:
         taken = getattr(_inner_scheduler(schedulers[role]), "last_epoch", expected)
         if taken != expected:
             which = "its LR scheduler" if len(schedulers) == 1 else f"the {role}'s LR scheduler"
+            expecting = "" if len(schedulers) == 1 else f" (expected {expected})"
             raise damaged_checkpoint_error(
-                ckpt, f"{ckpt / METADATA_NAME} says step {step}, but {which} state has taken {taken} steps (expected {expected})"
+                ckpt, f"{ckpt / METADATA_NAME} says step {step}, but {which} state has taken {taken} steps{expecting}"
             )
     apply_optimizer_recipe(trainer.method.optimizer, trainer.method.lr_scheduler, trainer.config, settings)
     acc.step = int(meta.get("accelerator_step", 0))

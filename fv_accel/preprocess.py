@@ -1239,7 +1239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--caption_column", default=None, help="metadata/dataset column of the captions (default: found by its name)")
     p.add_argument("--split", default="train", help="split of a Hugging Face dataset")
     p.add_argument("--revision", default=None, help="revision (branch, tag, commit) of a Hub --model (default: main)")
-    p.add_argument("--shard_size", type=int, default=None, help="clips per Parquet shard (default 32; prompts: 256)")
+    p.add_argument("--shard_size", type=int, default=None, help="rows per Parquet shard; 256 with --prompts (default: 32)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--vae_tiling", action="store_true", help="encode in spatial tiles (less memory at high resolution)")
     p.add_argument(
