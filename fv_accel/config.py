@@ -144,7 +144,7 @@ class ModelsConfig:
 
 
 # The methods that distil a teacher into the student (roles student, teacher, critic).
-DISTILLATION_METHODS = ("dmd2",)
+DISTILLATION_METHODS = ("dmd2", "self_forcing")
 # What a role inherits from the teacher when it names no model of its own.
 INHERITED_MODEL_KEYS = ("init_from", "model_class", "transformer_config", "revision", "subfolder", "variant",
                         "torch_dtype", "latents_mean", "latents_std")
@@ -152,7 +152,7 @@ INHERITED_MODEL_KEYS = ("init_from", "model_class", "transformer_config", "revis
 
 @dataclass
 class MethodConfig:
-    name: Literal["finetune", "dfsft", "tfsft", "dmd2"] = "finetune"
+    name: Literal["finetune", "dfsft", "tfsft", "dmd2", "self_forcing"] = "finetune"
     chunk_size: Any = None  # parsed by DiffusionForcingSFTMethod (REFERENCE.md section 4)
     min_timestep_ratio: Any = 0.0
     max_timestep_ratio: Any = 1.0
@@ -179,6 +179,19 @@ class MethodConfig:
     # zero | keep, on_missing: error | ignore}; null: the pipeline's negative prompt (the dataset's
     # stored unconditional text), else zeros.
     cfg_uncond: Optional[dict] = None
+    # ---- Self-Forcing (FastVideo's key names; read by SelfForcingMethod, with the DMD2 keys above;
+    # chunk_size is the causal student's block size) ----
+    # Between a chunk's steps its x0 goes to the next step re-noised with fresh noise (sde) or along
+    # its current noise (ode).
+    student_sample_type: str = "sde"
+    # The timestep (0..N) a finished chunk is re-noised to before it is written into the KV cache; 0: clean.
+    context_noise: float = 0.0
+    # One exit step for all chunks (else one per chunk); always the last step.
+    same_step_across_blocks: bool = False
+    last_step_only: bool = False
+    # Gradient through the exit step of each chunk starting at or after start_gradient_frame.
+    enable_gradient_in_rollout: bool = True
+    start_gradient_frame: int = 0
 
 
 @dataclass
@@ -1210,7 +1223,7 @@ def parse_cli(argv: list[str], method: str) -> tuple[RunConfig, dict]:
     if config_path is None:
         config_path = str(default_recipe(method))
     # The entry script decides the method family; a recipe may name it (or TFSFT, a DFSFT variant).
-    allowed = {"finetune": ("finetune",), "dfsft": ("dfsft", "tfsft"), "dmd2": ("dmd2",)}[method]
+    allowed = {"finetune": ("finetune",), "dfsft": ("dfsft", "tfsft"), "dmd2": ("dmd2",), "self_forcing": ("self_forcing",)}[method]
     named = overrides.get("method.name") or (_read_yaml(Path(config_path)).get("method") or {}).get("name")
     if named is None:
         overrides["method.name"] = method

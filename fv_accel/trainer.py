@@ -449,12 +449,13 @@ class Trainer:
 
     # ---- checkpoint hooks for callbacks ----
     def extra_state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {}
+        out = {f"method/{k}": v for k, v in self.method.state_tensors().items()}
         for i, cb in enumerate(self.callbacks):
             out.update({f"cb{i}/{k}": v for k, v in cb.state_tensors().items()})
         return out
 
     def load_extra_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.method.load_state_tensors({k[len("method/"):]: v for k, v in tensors.items() if k.startswith("method/")})
         for i, cb in enumerate(self.callbacks):
             prefix = f"cb{i}/"
             cb.load_state_tensors({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})

@@ -437,6 +437,13 @@ class TrainingMethod:
         """Roles written beside the student's final weights, by output subfolder (none here)."""
         return {}
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The method's own per-rank state saved with each checkpoint (its extra generators); none here."""
+        return {}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_tensors` saved."""
+
     # Which recipe keys change this method's math (checked on resume).
     def math_signature(self) -> dict[str, Any]:
         return {
