@@ -792,6 +792,12 @@ class VideoSamplingCallback(TrainerCallback):
 
     def describe_sampler(self, trainer: Any) -> str:
         """What the sample videos step with, for the log at start."""
+        if self.student_schedule is not None and getattr(trainer.method.student, "causal_attention", None) is not None:
+            return (
+                f"the block-causal student at its {self.student_steps} steps without guidance, streamed chunk by chunk "
+                f"over its KV cache (the method's sampler); the teacher once, at {self.val.sampling_steps} steps with "
+                f"{self.schedule.describe()}"
+            )
         if self.student_schedule is not None:
             return (
                 f"the student at its {self.student_steps} steps without guidance through the {trainer.method.student.family} "
@@ -858,6 +864,18 @@ class VideoSamplingCallback(TrainerCallback):
 
         torch.manual_seed(p.seed + 1)
         few = dataclasses.replace(p, sampling_steps=self.student_steps, guidance_scale=1.0)
+        streams = getattr(trainer.method, "sample", None)
+        if getattr(student, "causal_attention", None) is not None and streams is not None:
+            # A block-causal student streams: chunk by chunk over its KV cache (the method's sampler),
+            # the start noise from the prompt's seed, the re-noising from the global generator as above.
+            from fv_accel.models.base import TrainingBatch
+            from fv_accel.sampling import latent_frames
+
+            cond = student.build_conditioning(self.embeddings[p.prompt])
+            shape = (1, student.in_channels, latent_frames(p.num_frames, self.temporal), p.height // self.spatial,
+                     p.width // self.spatial)
+            noise = torch.randn(shape, generator=torch.Generator().manual_seed(p.seed), dtype=torch.float32)
+            return streams(TrainingBatch(conditioning=cond), noise.to(trainer.accelerator.device))
         return self._sample_latents(trainer, student, few, schedule=self.student_schedule)
 
     def _sample_latents(self, trainer: Any, student: Any, p: SamplePrompt, schedule: Any = None) -> torch.Tensor:

@@ -31,6 +31,8 @@ from fv_accel.models.base import ModelBase, TrainingBatch
 from fv_accel.schedulers import randn
 
 ROLES = ("student", "teacher", "critic")
+# Beside a distilled student's weights: its few timesteps and sigmas (read by fv_accel.generate).
+STUDENT_STEPS_FILE = "student_steps.json"
 
 
 def parse_cfg_uncond(raw: Any) -> Optional[dict]:
@@ -90,11 +92,15 @@ class DMD2Method(TrainingMethod):
         self.teacher.transformer.eval()
         val = cfg.callbacks.validation
         if val.enable and (val.prompts or val.prompt_file):
-            try:  # sample videos step with the stock scheduler of the student's steps: refused now, not mid-run
-                self.sampling_schedule()
-            except ValueError as err:
-                raise ValueError(f"callbacks.validation.prompts: {err}; or leave the prompts out") from None
+            self.check_sample_videos()
         self._init_optimizers()
+
+    def check_sample_videos(self) -> None:
+        """Sample videos step with the stock scheduler of the student's steps: refused now, not mid-run."""
+        try:
+            self.sampling_schedule()
+        except ValueError as err:
+            raise ValueError(f"callbacks.validation.prompts: {err}; or leave the prompts out") from None
 
     # ---- recipe parsing ----
     def _parse_denoising_steps(self, raw: Any) -> torch.Tensor:
@@ -214,10 +220,26 @@ class DMD2Method(TrainingMethod):
         return few_step_schedule(sigmas, "the student's few steps (method.dmd_denoising_steps)")
 
     def write_final_files(self, output_dir: Any) -> None:
-        """`scheduler/scheduler_config.json`: the stock scheduler that samples the student at its steps."""
+        """`student_steps.json` (the student's few timesteps and sigmas, what `python -m
+        fv_accel.generate` samples it at) and `scheduler/scheduler_config.json`, the stock
+        scheduler that samples the student at its steps, where one does."""
+        import json
         import logging
+        import os
         from pathlib import Path
 
+        one = torch.Size([1, 1, 1, 1, 1])
+        steps = {
+            "method": self.cfg.method.name,
+            "timesteps": [float(t) for t in self.denoising_steps(one)],
+            "sigmas": self.few_step_sigmas(one),
+            "student_sample_type": getattr(self, "_sample_type", "sde"),
+            "context_noise": float(getattr(self, "_context_noise", 0.0)),
+        }
+        path = Path(output_dir) / STUDENT_STEPS_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(steps, indent=1) + "\n")
+        os.replace(tmp, path)
         try:
             schedule = self.sampling_schedule()
         except ValueError as err:  # a step list no stock scheduler steps: the student is saved without one

@@ -108,6 +108,23 @@ class SelfForcingMethod(DMD2Method):
         self._last_step_only = _flag(mc.last_step_only, "last_step_only", False)
         self._gradient_in_rollout = _flag(mc.enable_gradient_in_rollout, "enable_gradient_in_rollout", True)
 
+    def check_sample_videos(self) -> None:
+        """The sample videos stream with this method's own sampler (`sample`), at any steps."""
+
+    def write_final_files(self, output_dir: Any) -> None:
+        """DMD2's (`student_steps.json`, and `scheduler/` where a stock scheduler steps the student's
+        steps), and `self_forcing.json`: how the student streams (chunk size, stepping, context noise)."""
+        import json
+        import os
+        from pathlib import Path
+
+        super().write_final_files(output_dir)
+        info = {"chunk_size": self.block_size, "student_sample_type": self._sample_type, "context_noise": self._context_noise}
+        path = Path(output_dir) / "self_forcing.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(info, indent=1) + "\n")
+        os.replace(tmp, path)
+
     # ---- state saved with checkpoints (per rank) ----
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"rollout_generator": self.rollout_generator.get_state().cpu()}
