@@ -12,6 +12,11 @@ block-causal mask: finished chunks as context, the current chunk noisy, later ch
 (invisible to earlier ones). `causal_reference_sampler` wraps it with the same accounting, so
 the two can be compared number for number and timed.
 
+`iter_kv_cached_rollout` yields each chunk as soon as it is denoised (streaming generation,
+`fv_accel.generate`); `kv_cached_rollout` puts its chunks together, so both give the same video.
+Either steps on the sampling schedule or on an explicit sigma list (a few-step student's
+scheduler), with Euler steps or, with `renoise`, the few-step sampler's re-noising.
+
 Classifier-free guidance runs a second branch on `negative_text`, with its own cache. The only
 draw from `generator` is the context noise (when `context_noise > 0`), one [B, C, T, H, W] tensor
 up front, as in the uncached sampler.
