@@ -16,7 +16,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
@@ -448,3 +448,63 @@ def _encode_audio(container, stream, waveform: np.ndarray, rate: int) -> None:
             container.mux(packet)
     for packet in stream.encode(None):
         container.mux(packet)
+
+
+class StreamingVideoWriter:
+    """An mp4 written as its frames come, readable while it grows: `write(frames)` encodes and muxes
+    them at once into `<path>.partial` (fragmented mp4, a fragment per frame, each packet flushed to
+    the file; libx264 with tune=zerolatency, so the encoder holds no frame back), `close()` finishes
+    the file and renames it to `path`, `abort()` removes the partial file."""
+
+    def __init__(self, path: Union[str, Path], fps: float = 16.0, codec: Optional[str] = None):
+        self.path = Path(path)
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.fps = fps
+        self.codec = codec or available_video_codec()
+        self.container: Any = None
+        self.stream: Any = None
+        self.frames = 0
+
+    def _open(self, height: int, width: int) -> None:
+        import av
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        options = {"movflags": "frag_every_frame+empty_moov+default_base_moof", "flush_packets": "1"}
+        self.container = av.open(str(self.partial), mode="w", format="mp4", options=options)
+        self.stream = self.container.add_stream(self.codec, rate=int(round(self.fps)))
+        self.stream.width, self.stream.height = width, height
+        self.stream.pix_fmt = "yuv420p"
+        if self.codec == "libx264":
+            self.stream.options = {"crf": "12", "threads": "1", "tune": "zerolatency", "bf": "0"}
+        else:
+            self.stream.codec_context.max_b_frames = 0
+
+    def write(self, frames: np.ndarray) -> None:
+        """uint8 [F, H, W, 3], appended to the file before this returns."""
+        import av
+
+        if self.container is None:
+            self._open(int(frames.shape[1]), int(frames.shape[2]))
+        for f in frames:
+            for packet in self.stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")):
+                self.container.mux(packet)
+        self.frames += len(frames)
+
+    def close(self) -> Path:
+        if self.container is None:
+            raise ValueError(f"{self.path}: no frames were written")
+        for packet in self.stream.encode():
+            self.container.mux(packet)
+        self.container.close()
+        self.container = None
+        self.partial.replace(self.path)
+        return self.path
+
+    def abort(self) -> None:
+        if self.container is not None:
+            try:
+                self.container.close()
+            except Exception:  # noqa: BLE001 - a half-written file is removed either way
+                pass
+            self.container = None
+        self.partial.unlink(missing_ok=True)

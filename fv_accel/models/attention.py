@@ -522,6 +522,16 @@ class CausalAttention:
             raise ValueError(f"a cached block must start on a block boundary, got frame {frame_offset}")
         return self._use(_Mode("kv_cache", frame_offset, cache, write))
 
+    def set_window(self, local_attn_size: int) -> None:
+        """Attend to (and cache) only the last `local_attn_size` frames counted from each block's end,
+        plus the spec's sink frames: a window for generation past the trained length."""
+        import dataclasses
+
+        self.spec = dataclasses.replace(self.spec, local_attn_size=local_attn_size)
+        self._block_masks.clear()
+        self._plans.clear()
+        self._visibility.clear()
+
     # ---- cached structures ----
     def visibility(self, layout: str, num_frames: int) -> torch.Tensor:
         key = (layout, num_frames)

@@ -225,6 +225,13 @@ class ModelBase:
         """Raw (un-normalised) latents [B, C, T, h, w] -> video [B, 3, F, H, W] in [-1, 1]."""
         return vae.decode(raw_latents, return_dict=False)[0]
 
+    @classmethod
+    def stream_decoder(cls, vae: Any) -> Any:
+        """A decoder of consecutive pieces of one video's raw latents whose outputs, put together,
+        equal `decode` of the whole (`.decode(raw [B, C, n, h, w]) -> [B, 3, F, H, W]`), or None
+        where the family's VAE cannot decode in pieces."""
+        return None
+
     # seed attribute name
     @property
     def supports_per_frame_timesteps(self) -> bool:

@@ -210,6 +210,40 @@ EXPERT_SUBFOLDERS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 LORA_FILE_SUFFIX = {"high_noise": "", "low_noise": "_transformer_2"}
 
 
+class WanStreamingDecoder:
+    """Decodes one video's latents piece by piece with diffusers' `AutoencoderKLWan`, as its own
+    `_decode` does for the whole: frame by frame through the decoder's causal convolutions, whose
+    feature cache (`_feat_map`) is kept from one piece to the next instead of cleared, so the pieces
+    put together equal the whole video decoded at once (the first latent frame gives 1 frame, each
+    later one 4)."""
+
+    def __init__(self, vae: torch.nn.Module):
+        self.vae = vae
+        self.frames_done = 0
+        vae.clear_cache()
+
+    @torch.no_grad()
+    def decode(self, raw_latents: torch.Tensor) -> torch.Tensor:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        vae = self.vae
+        x = vae.post_quant_conv(raw_latents)  # a 1x1x1 convolution: frame-wise
+        pieces = []
+        for i in range(x.shape[2]):
+            vae._conv_idx = [0]
+            pieces.append(
+                vae.decoder(x[:, :, i : i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=self.frames_done == 0)
+            )
+            self.frames_done += 1
+        out = torch.cat(pieces, dim=2)
+        if vae.config.patch_size is not None:
+            out = unpatchify(out, patch_size=vae.config.patch_size)
+        return out.clamp(-1.0, 1.0)
+
+    def close(self) -> None:
+        self.vae.clear_cache()
+
+
 class ExpertPair(torch.nn.Module):
     """Both experts of a Wan 2.2 A14B repo trained together (`models.student.expert: both`). Its
     forward runs one expert by name, so an engine's wrapper around the pair sees every call."""
@@ -322,6 +356,13 @@ class WanStudent(DiffusersStudent):
         if vae is None or vae.get("latents_mean") is None or vae.get("latents_std") is None:
             return None
         return list(vae["latents_mean"]), list(vae["latents_std"])
+
+    @classmethod
+    def stream_decoder(cls, vae: Any) -> Optional[WanStreamingDecoder]:
+        """Wan's VAE decodes frame by frame with a causal cache: it streams (not when tiled)."""
+        if getattr(vae, "use_tiling", False) or type(vae).__name__ != "AutoencoderKLWan":
+            return None
+        return WanStreamingDecoder(vae)
 
     @classmethod
     def load_vae(cls, model: str, *, revision: Optional[str] = None, torch_dtype: torch.dtype = torch.float32) -> Any:
