@@ -79,17 +79,43 @@ def _run_data_path(cfg: Any) -> Optional[str]:
 
 
 def _few_step(run: Path, cfg: Any) -> tuple[Any, int]:
-    """A DMD2 / Self-Forcing run's saved scheduler and its step count (method.dmd_denoising_steps)."""
+    """A DMD2 / Self-Forcing run's few steps: its `student_steps.json` (timesteps and sigmas of the
+    student's steps, how it steps between them, its context noise), else its saved scheduler and
+    the step count of method.dmd_denoising_steps."""
     import json
 
+    from fv_accel.methods.distribution_matching.dmd2 import STUDENT_STEPS_FILE
     from fv_accel.sampling import SamplingSchedule
 
+    steps_file = run / STUDENT_STEPS_FILE
     path = run / "scheduler" / "scheduler_config.json"
+    # A bidirectional student with a stock scheduler samples through its family's pipeline with it.
+    if steps_file.is_file() and (cfg.models.student.causal or not path.is_file()):
+        try:
+            record = json.loads(steps_file.read_text())
+            few = FewSteps(
+                [float(t) for t in record["timesteps"]], [float(s) for s in record["sigmas"]],
+                str(record.get("student_sample_type", "sde")), float(record.get("context_noise", 0.0)), str(steps_file),
+            )
+        except (ValueError, KeyError, TypeError) as err:
+            raise GenerateError(f"{steps_file}: not a student steps record ({err})") from None
+        return few, len(few.timesteps)
     if not path.is_file() or not cfg.method.dmd_denoising_steps:
         return None, 0
     config = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
     name = json.loads(path.read_text()).get("_class_name")
     return SamplingSchedule(name, config, f"{path}"), len(cfg.method.dmd_denoising_steps)
+
+
+@dataclass
+class FewSteps:
+    """A distilled student's own steps (`student_steps.json`)."""
+
+    timesteps: list
+    sigmas: list
+    sample_type: str  # sde: x0 re-noised with fresh noise between steps; ode: Euler
+    context_noise: float  # the timestep finished chunks are written into the KV cache at
+    origin: str
 
 
 def _from_run(run: Path, saved: dict) -> Source:
@@ -282,6 +308,8 @@ class Settings:
     shift: float = 3.0
     schedule: Any = None  # SamplingSchedule of the bidirectional sampler
     describe: str = ""
+    timesteps: Optional[torch.Tensor] = None  # the model's timesteps with explicit sigmas (else sigma * N)
+    context: Optional[float] = None  # a distilled student's context timestep (else the run's validation context_noise sigma)
 
 
 def sampler_settings(loaded: Loaded, args: argparse.Namespace, latent_shape: tuple) -> Settings:
@@ -290,6 +318,14 @@ def sampler_settings(loaded: Loaded, args: argparse.Namespace, latent_shape: tup
 
     source, student = loaded.source, loaded.student
     val = source.cfg.callbacks.validation
+    if isinstance(source.few_step, FewSteps):
+        few = source.few_step
+        if args.steps is not None and args.steps != len(few.timesteps):
+            raise GenerateError(f"--steps {args.steps}: this student samples at its own {len(few.timesteps)} steps ({few.origin})")
+        guidance = 1.0 if args.guidance_scale is None else args.guidance_scale
+        text = f"its {len(few.timesteps)} steps {few.timesteps} ({few.sample_type}, saved with the run in {few.origin})"
+        return Settings(len(few.timesteps), guidance, torch.tensor(few.sigmas + [0.0]), few.sample_type == "sde",
+                        describe=text, timesteps=torch.tensor(few.timesteps), context=few.context_noise)
     if source.few_step is not None:
         steps = args.steps or source.few_steps
         guidance = 1.0 if args.guidance_scale is None else args.guidance_scale
@@ -328,6 +364,18 @@ class Report:
     streamed: bool
 
 
+def _context(loaded: Loaded, settings: Settings) -> dict:
+    """The KV cache's refresh: a distilled student's context timestep (its table's sigma there), else
+    the run's validation context_noise (a sigma)."""
+    if settings.context is None:
+        return {"context_noise": loaded.source.cfg.callbacks.validation.context_noise}
+    if settings.context <= 0:
+        return {"context_noise": 0.0, "context_timestep": 0.0}
+    table = loaded.student.training_table(torch.Size([1, 1, 1, 1, 1]))
+    sigma = float(table.nearest_sigmas(torch.tensor([settings.context]), 1)[0])
+    return {"context_noise": sigma, "context_timestep": float(settings.context)}
+
+
 def stream_causal(
     loaded: Loaded, settings: Settings, noise: torch.Tensor, writer: Any, generator: torch.Generator,
     on_chunk: Optional[Callable[[int, Any], None]] = None,
@@ -348,8 +396,8 @@ def stream_causal(
     chunks = iter_kv_cached_rollout(
         student, noise, loaded.text.text, num_steps=settings.steps, shift=settings.shift,
         guidance_scale=settings.guidance_scale, negative_text=loaded.negative.text if guided else None,
-        context_noise=loaded.source.cfg.callbacks.validation.context_noise, generator=generator,
-        sigmas=settings.sigmas, renoise=settings.renoise,
+        generator=generator, sigmas=settings.sigmas, renoise=settings.renoise, timesteps=settings.timesteps,
+        **_context(loaded, settings),
     )
     try:
         for index, chunk in enumerate(chunks):
@@ -372,6 +420,25 @@ def stream_causal(
     return Report(writer.frames, seconds, first, num_chunks, cached, decoder is not None)
 
 
+def _sample_few_steps(loaded: Loaded, latent_shape: tuple, generator: torch.Generator, writer: Any, start: float) -> Report:
+    """A bidirectional distilled student without a stock scheduler: its own steps (x0, then re-noised
+    with fresh noise), `fv_accel.sampling.few_step_sample`."""
+    from fv_accel.sampling import few_step_sample
+
+    if loaded.text.clean_frames:
+        raise GenerateError("an image-to-video student with its own step list (no scheduler/ saved) samples only during training")
+    student = loaded.student
+    noise = torch.randn(latent_shape, generator=generator, dtype=torch.float32).to(student.device)
+    per_frame = student.capabilities.per_frame_timesteps
+    latents = few_step_sample(
+        lambda x, t: student.forward(x, t if per_frame else t[:, 0], loaded.text), noise, loaded.source.few_step.timesteps,
+        student.training_table(torch.Size(latent_shape)), generator,
+    )
+    writer.write(_to_pixels(loaded, latents))
+    seconds = time.perf_counter() - start
+    return Report(writer.frames, seconds, seconds, 1, [], False)
+
+
 def sample_whole(loaded: Loaded, settings: Settings, args: argparse.Namespace, latent_shape: tuple, writer: Any) -> Report:
     """A bidirectional student: the whole clip with the run's sampler (validation's), then the mp4."""
     from fv_accel.sampling import sample_with_scheduler
@@ -382,6 +449,8 @@ def sample_whole(loaded: Loaded, settings: Settings, args: argparse.Namespace, l
     if loaded.source.few_step is not None:
         torch.manual_seed(args.seed + 1)  # the pipeline's re-noising draws from the global generator
     first_frame = None if args.image is None else _read_image(args.image, args.height, args.width)
+    if isinstance(loaded.source.few_step, FewSteps):
+        return _sample_few_steps(loaded, latent_shape, generator, writer, start)
     steps = dict(num_inference_steps=settings.steps, guidance_scale=settings.guidance_scale)
     latents = student.sample_latents(
         loaded.vae, loaded.text, loaded.negative, height=args.height, width=args.width, num_frames=args.num_frames,

@@ -137,6 +137,8 @@ def iter_kv_cached_rollout(
     sigmas: Optional[Any] = None,
     renoise: bool = False,
     predictor: Optional[_CountingPredictor] = None,
+    timesteps: Optional[Any] = None,
+    context_timestep: Optional[float] = None,
 ) -> Iterator[RolloutChunk]:
     """The KV-cached rollout, yielding each chunk as soon as it is denoised (before its keys/values
     are written, so a consumer can decode it while nothing else waits on it).
@@ -146,7 +148,10 @@ def iter_kv_cached_rollout(
     few-step student's sampler, diffusers' FlowMatchLCMScheduler.step) each step predicts the clean
     chunk `x0 = x - sigma * v` and re-noises it to the next sigma with fresh noise drawn from
     `generator` (after the context noise); the last step returns x0. `predictor` (a
-    `_CountingPredictor` of `student`) counts the work for the caller."""
+    `_CountingPredictor` of `student`) counts the work for the caller. With explicit `sigmas`, the
+    model's `timesteps` [S] may be given too (a distilled student's own step values, e.g. 750 where
+    its table's sigma is 0.7503), else sigma * N; `context_timestep` is the timestep the refresh
+    forward is given (else context_noise * N)."""
     if noise.ndim != 5:
         raise ValueError(f"noise must be [B, C, T, H, W], got {tuple(noise.shape)}")
     if not 0.0 <= context_noise < 1.0:
@@ -157,7 +162,12 @@ def iter_kv_cached_rollout(
     if sigmas is None:
         sigmas, timesteps, num_train = sampling_sigmas(num_steps, shift)
     else:
-        sigmas, timesteps, num_train = explicit_schedule(sigmas)
+        sigmas, derived, num_train = explicit_schedule(sigmas)
+        timesteps = derived if timesteps is None else torch.as_tensor(timesteps, dtype=torch.float32).flatten()
+        if timesteps.numel() != derived.numel():
+            raise ValueError(f"timesteps {timesteps.tolist()}: one per step of sigmas {sigmas.tolist()}")
+    if context_timestep is None:
+        context_timestep = context_noise * num_train
     steps = timesteps.numel()
     x_all = noise.to(torch.float32).clone()
     bsz = x_all.shape[0]
@@ -191,7 +201,7 @@ def iter_kv_cached_rollout(
             context = x
             if context_eps is not None:
                 context = (1.0 - context_noise) * x + context_noise * context_eps[:, :, start:end]
-            t = torch.full((bsz, end - start), context_noise * num_train, device=x.device)
+            t = torch.full((bsz, end - start), float(context_timestep), device=x.device)
             for branch_text, cache in branches:
                 with controller.kv_cache(cache, start, write=True):
                     predict(context, t, branch_text)
@@ -212,6 +222,8 @@ def kv_cached_rollout(
     generator: Optional[torch.Generator] = None,
     sigmas: Optional[Any] = None,
     renoise: bool = False,
+    timesteps: Optional[Any] = None,
+    context_timestep: Optional[float] = None,
 ) -> RolloutResult:
     """Chunk-by-chunk sampling with a KV cache of the finished chunks (same video, less work): the
     chunks of `iter_kv_cached_rollout`, put together."""
@@ -221,7 +233,7 @@ def kv_cached_rollout(
     for chunk in iter_kv_cached_rollout(
         student, noise, text, num_steps=num_steps, shift=shift, guidance_scale=guidance_scale,
         negative_text=negative_text, context_noise=context_noise, generator=generator, sigmas=sigmas,
-        renoise=renoise, predictor=predict,
+        renoise=renoise, predictor=predict, timesteps=timesteps, context_timestep=context_timestep,
     ):
         latents[:, :, chunk.start : chunk.end] = chunk.latents
     return RolloutResult(latents, time.perf_counter() - start_time, predict.calls, predict.frames)

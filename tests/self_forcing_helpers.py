@@ -12,11 +12,11 @@ SF_RECIPE = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_self_for
 
 
 def self_forcing_overrides(tmp_path, **extra) -> dict:
-    """The tiny test world has 9-frame clips (3 latent frames): one chunk of 3 unless chunk_size says otherwise."""
+    """The recipe's clips have 6 latent frames: two chunks of 3."""
     out = dmd2_overrides(tmp_path, **{
         "models.student.init_from": None,
         "models.student.causal": True,
-        "method.chunk_size": 1,
+        "method.chunk_size": 3,
     })
     out.update(extra)
     return out

@@ -31,6 +31,7 @@ DRIVER = REPO / "tests" / "dist_driver.py"
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 RECIPES = {"finetune": "configs/tiny_finetune.yaml", "dfsft": "configs/tiny_dfsft.yaml"}
 DMD2_RECIPE = "configs/tiny_dmd2.yaml"
+SF_RECIPE = "configs/tiny_self_forcing.yaml"
 STEPS = 3
 WEIGHT_TOL = 1e-5
 LORA = {"training.data.train_batch_size": 1, "models.student.lora.enable": True}
@@ -150,6 +151,7 @@ def ddp_runs(tmp_path_factory, tiny_data_path):
         for name, (method, extra) in ULYSSES_RUNS.items()
     ]
     runs.append({"name": "dmd2_2proc", "recipe": DMD2_RECIPE, "engine": "launch", "overrides": dmd2_run(root / "dmd2_2proc")})
+    runs.append({"name": "sf_2proc", "recipe": SF_RECIPE, "engine": "launch", "overrides": self_forcing_run(root / "sf_2proc")})
     return root, launch("accelerate_configs/cpu_2proc.yaml", runs, root)
 
 
@@ -166,6 +168,17 @@ def dmd2_run(out_dir: Path, **extra) -> dict:
         "training.data.train_batch_size": 1,
         "method.generator_update_interval": 2,
     })
+    base.update(extra)
+    return base
+
+
+def self_forcing_run(out_dir: Path, **extra) -> dict:
+    """A tiny Self-Forcing run as `dmd2_run`: the block-causal student (chunks of 1 latent frame,
+    3 chunks) inherits the inline teacher's weights."""
+    from tests.self_forcing_helpers import self_forcing_overrides
+
+    base = dmd2_run(out_dir)
+    base.update(self_forcing_overrides(out_dir.parent, **{k: v for k, v in base.items() if not k.startswith("models.")}))
     base.update(extra)
     return base
 
@@ -212,6 +225,7 @@ def fsdp_runs(tmp_path_factory, tiny_data_path, ddp_runs):
             "overrides": overrides(root / "dfsft_causal_ulysses2_fsdp2", **CAUSAL, **ULYSSES2),
         },
         {"name": "dmd2_fsdp2", "recipe": DMD2_RECIPE, "engine": "fsdp2", "overrides": dmd2_run(root / "dmd2_fsdp2")},
+        {"name": "sf_fsdp2", "recipe": SF_RECIPE, "engine": "fsdp2", "overrides": self_forcing_run(root / "sf_fsdp2")},
         {
             "name": "finetune_fsdp2_resumed",
             "recipe": RECIPES["finetune"],
@@ -697,26 +711,28 @@ def test_fsdp_activation_offload_with_lora_is_refused():
 
 
 @pytest.mark.multiproc
-def test_dmd2_two_processes_equal_one_process(ddp_runs, tmp_path):
-    """DMD2 on 2 processes x batch 1 ends where 1 process x batch 1 x 2 accumulation steps ends, for
+@pytest.mark.parametrize("name", ["dmd2", "sf"])
+def test_distillation_two_processes_equal_one_process(ddp_runs, tmp_path, name):
+    """DMD2 and Self-Forcing on 2 processes x batch 1 ends where 1 process x batch 1 x 2 accumulation steps ends, for
     the student and the critic (per-sample generators: each sample draws the same numbers wherever
     it is trained; the DMD gradient's batch-wide denominator makes a batch of 2 in one forward
     another computation, as in FastVideo)."""
     root, records = ddp_runs
-    ranks = records["dmd2_2proc"]
-    folder = root / "records" / "dmd2_2proc"
+    ranks = records[f"{name}_2proc"]
+    folder = root / "records" / f"{name}_2proc"
     driver = _driver()
     driver.reset_accelerate()
+    recipe, make = (DMD2_RECIPE, dmd2_run) if name == "dmd2" else (SF_RECIPE, self_forcing_run)
     one = driver.run_one(
-        {"name": "dmd2_accum2", "recipe": DMD2_RECIPE, "engine": "launch",
-         "overrides": dmd2_run(tmp_path / "dmd2_accum2", **{"training.loop.gradient_accumulation_steps": 2})},
+        {"name": f"{name}_accum2", "recipe": recipe, "engine": "launch",
+         "overrides": make(tmp_path / f"{name}_accum2", **{"training.loop.gradient_accumulation_steps": 2})},
         tmp_path / "records",
     )
     assert one["world_size"] == 1
     for prefix in ("", "critic_"):
         w0, w1 = (load_file(str(folder / f"{prefix}rank{r}.safetensors")) for r in (0, 1))
         assert max_diff(w0, w1) == 0.0
-        w_one = load_file(str(tmp_path / "records" / "dmd2_accum2" / f"{prefix}rank0.safetensors"))
+        w_one = load_file(str(tmp_path / "records" / f"{name}_accum2" / f"{prefix}rank0.safetensors"))
         assert max_diff(w0, w_one) < WEIGHT_TOL, prefix
     assert max_diff(load_file(str(folder / "rank0.safetensors")), load_file(str(folder / "init.safetensors"))) > 1e-4
     for step in range(STEPS):
@@ -727,14 +743,17 @@ def test_dmd2_two_processes_equal_one_process(ddp_runs, tmp_path):
 
 
 @pytest.mark.multiproc
-def test_dmd2_under_fsdp2_shards_all_roles_and_saves_student_and_critic(fsdp_runs, ddp_runs):
+@pytest.mark.parametrize("name", ["dmd2", "sf"])
+def test_distillation_under_fsdp2_shards_all_roles_and_saves_student_and_critic(fsdp_runs, ddp_runs, name):
+    """Under FSDP2 every role is sharded and the saved student and critic equal the DDP run's
+    (Self-Forcing: every rank draws the same exit steps, so the sharded forwards line up)."""
     root, records = fsdp_runs
     ddp_root, _ = ddp_runs
-    for rec in records["dmd2_fsdp2"]:
+    for rec in records[f"{name}_fsdp2"]:
         assert rec["is_fsdp2"] and rec["param_type"] == "DTensor" and rec["teacher_param_type"] == "DTensor"
-    out = root / "dmd2_fsdp2"
+    out = root / f"{name}_fsdp2"
     student = load_file(str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
     critic = load_file(str(out / "critic" / "transformer" / "diffusion_pytorch_model.safetensors"))
-    ddp = ddp_root / "records" / "dmd2_2proc"
+    ddp = ddp_root / "records" / f"{name}_2proc"
     assert max_diff(student, load_file(str(ddp / "rank0.safetensors"))) < WEIGHT_TOL
     assert max_diff(critic, load_file(str(ddp / "critic_rank0.safetensors"))) < WEIGHT_TOL

@@ -1,0 +1,141 @@
+"""Self-Forcing (method.name self_forcing): a block-causal student rolled out chunk by chunk over its
+KV cache on the DMD2 machinery. Gradient only through each chunk's exit step and from
+start_gradient_frame; the streamed sampler is the rollout; resume is bitwise (the rollout
+generator included); the refusals are one line each. (FastVideo parity: test_self_forcing_parity.py;
+2 processes == 1 and FSDP2: test_distributed.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fv_accel import Trainer, build_from_config
+from fv_accel.config import ConfigError, load_config
+from self_forcing_helpers import SF_RECIPE, self_forcing_overrides
+
+
+def _tb(method, batch):
+    method._generator = method.batch_generator(batch)
+    return method._prepare_dmd_batch(batch)
+
+
+def test_the_student_is_causal_and_the_critic_and_teacher_are_not(tmp_path):
+    run = build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path))
+    m = run.method
+    assert m.student.causal_attention is not None and m.block_size == 3
+    assert getattr(m.teacher, "causal_attention", None) is None and getattr(m.critic, "causal_attention", None) is None
+    teacher = dict(m.teacher.transformer.named_parameters())
+    for name, p in m.student.transformer.named_parameters():
+        assert torch.equal(p, teacher[name]), name
+
+
+def test_gradient_flows_only_through_exit_steps_from_start_gradient_frame(tmp_path, tiny_data_path):
+    run = build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path, **{"method.start_gradient_frame": 3}))
+    m = run.method
+    batch = next(iter(run.dataloader))
+    tb = _tb(m, batch)
+    calls = []
+    original = m.chunk_velocity
+
+    def counted(x, t, tb_, cache, start, *, write=False):
+        out = original(x, t, tb_, cache, start, write=write)
+        calls.append((start, write, out.requires_grad))
+        return out
+
+    m.chunk_velocity = counted
+    m.cfg.method.last_step_only = True
+    m._last_step_only = True
+    x0 = m.student_rollout(tb, with_grad=True)
+    assert x0.shape[2] == 6
+    steps = len(m.denoising_steps(x0.shape))
+    # Per chunk: the steps (only the last with gradient, and only from frame 3), then the cache write
+    # of every chunk but the last (never with gradient).
+    expected = []
+    for start in (0, 3):
+        expected += [(start, False, start >= 3 and i == steps - 1) for i in range(steps)]
+        if start == 0:
+            expected.append((start, True, False))
+    assert calls == expected
+    params = [p for p in m.student.transformer.parameters() if p.requires_grad]
+    g0 = torch.autograd.grad(x0[:, :, 0].sum(), params, allow_unused=True, retain_graph=True)
+    assert all(g is None or float(g.abs().max()) == 0.0 for g in g0)
+    g1 = torch.autograd.grad(x0[:, :, 3].sum(), params, allow_unused=True)
+    assert any(g is not None and float(g.abs().max()) > 0.0 for g in g1)
+
+
+def test_the_streamed_sampler_equals_the_kv_cached_rollout(tmp_path):
+    """With ode stepping (no draws) and clean context, the method's sampler (its training rollout at the
+    last step of every chunk) equals fv_accel.rollout's KV-cached rollout at the student's steps, which
+    `python -m fv_accel.generate` streams."""
+    from fv_accel.rollout import kv_cached_rollout
+
+    run = build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path, **{"method.student_sample_type": "ode"}))
+    m = run.method
+    batch = next(iter(run.dataloader))
+    tb = _tb(m, batch)
+    noise = torch.randn(tb.latents.shape, generator=torch.Generator().manual_seed(3))
+    m.student.transformer.eval()
+    ours = m.sample(tb, noise)
+    shape = torch.Size([1, 1, 1, 1, 1])
+    steps = [float(t) for t in m.denoising_steps(shape)]
+    other = kv_cached_rollout(m.student, noise, tb.conditioning.text, sigmas=m.few_step_sigmas(shape) + [0.0],
+                              timesteps=steps, renoise=False)
+    assert torch.allclose(ours, other.latents, atol=1e-5, rtol=0), float((ours - other.latents).abs().max())
+
+
+@pytest.mark.slow
+def test_resume_equals_a_straight_run_bitwise(tmp_path):
+    common = {"method.generator_update_interval": 2, "training.checkpoint.training_state_checkpointing_steps": 3,
+              "method.context_noise": 100}
+    straight = build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / "a", **common, **{"training.loop.max_train_steps": 6}))
+    Trainer(straight).run()
+    first = build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / "b", **common, **{"training.loop.max_train_steps": 3}))
+    Trainer(first).run()
+    resumed = build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / "b", **common, **{
+        "training.loop.max_train_steps": 6, "training.checkpoint.resume_from_checkpoint": "latest"}))
+    assert resumed.start_step == 3
+    Trainer(resumed).run()
+    for role in ("student", "critic"):
+        a = getattr(straight.method, role).transformer.state_dict()
+        b = getattr(resumed.method, role).transformer.state_dict()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (role, k)
+    for name in ("cuda_generator", "rollout_generator"):
+        assert torch.equal(getattr(straight.method, name).get_state(), getattr(resumed.method, name).get_state()), name
+    out = tmp_path / "b" / "out"
+    steps = json.loads((out / "student_steps.json").read_text())
+    assert steps["method"] == "self_forcing" and steps["timesteps"] == [1000.0, 750.0, 500.0, 250.0]
+    assert json.loads((out / "self_forcing.json").read_text())["chunk_size"] == 3
+
+
+def test_refusals_are_one_line_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="train_self_forcing.py runs self_forcing"):
+        from fv_accel.config import parse_cli
+
+        parse_cli(["--config", "configs/tiny_dmd2.yaml"], "self_forcing")
+    for key, value, words in [
+        ("method.rollout_mode", "data_latent", "only simulate"),
+        ("models.student.causal", False, "block-causal student.*models.student.causal: true"),
+        ("method.student_sample_type", "euler", "method.student_sample_type must be sde or ode"),
+        ("method.context_noise", -1, "method.context_noise must be a timestep >= 0"),
+        ("method.start_gradient_frame", -2, "method.start_gradient_frame"),
+    ]:
+        with pytest.raises(ValueError, match=words) as err:
+            build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / key, **{key: value}))
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="models.teacher.causal: false"):
+        build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / "t", **{"models.teacher.causal": True,
+                                                                                  "models.critic.causal": False}))
+    # A clip whose latent frames do not fill whole chunks: refused at the first rollout, naming the keys.
+    run = build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / "chunks", **{"method.chunk_size": 4}))
+    batch = next(iter(run.dataloader))
+    with pytest.raises(ValueError, match="6 latent frames is not a multiple of method.chunk_size 4"):
+        run.method.single_train_step(batch, 1)
+    # Sparse attention does not combine with the block-causal student.
+    with pytest.raises(ConfigError, match="video sparse attention does not combine with a block-causal student"):
+        load_config(SF_RECIPE, self_forcing_overrides(tmp_path / "vsa", **{"training.vsa.sparsity": 0.5}))
+    # Resuming a checkpoint without the rollout generator's state.
+    with pytest.raises(ValueError, match="no self_forcing rollout generator state"):
+        build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / "r")).method.load_state_tensors({})
