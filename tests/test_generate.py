@@ -120,7 +120,7 @@ def test_causal_run_streams_chunks_into_a_growing_mp4(runs, tmp_path):
 
 
 def test_kv_window_runs_past_the_trained_length_with_a_bounded_cache(runs, tmp_path):
-    frames = 2 * (TRAINED_FRAMES - 1) + 1  # 12 latent frames: twice the trained 6
+    frames = 2 * (TRAINED_FRAMES - 1) + 1  # 41 frames, 11 latent frames: past the trained 6
     full = generate(_args(runs["causal"], tmp_path / "full.mp4", "--num_frames", str(frames)))
     windowed = generate(_args(runs["causal"], tmp_path / "window.mp4", "--num_frames", str(frames), "--kv_window", "6"))
     assert _frames(tmp_path / "window.mp4") == frames == windowed.frames
@@ -159,3 +159,34 @@ def test_help_names_the_partial_file():
     text = build_parser().format_help()
     assert ".partial" in text and "--kv_window" in text
     assert isinstance(build_parser().parse_args(["r", "--prompt", "p", "--num_frames", "5", "--output", "o.mp4"]), argparse.Namespace)
+
+
+def test_a_self_forcing_run_streams_at_its_own_steps_past_its_trained_length(tmp_path, tiny_data_path):
+    """A Self-Forcing run (its student_steps.json: 4 steps, x0 re-noised between them) streams at
+    twice its trained length; the chunks equal the KV-cached rollout at those steps for the seed."""
+    import json
+
+    from fv_accel.build import build_from_config
+    from fv_accel.trainer import Trainer
+    from self_forcing_helpers import SF_RECIPE, self_forcing_overrides
+
+    folder = tmp_path / "sf"
+    Trainer(build_from_config(SF_RECIPE, self_forcing_overrides(folder, **{
+        "training.loop.max_train_steps": 2, "training.data.data_path": tiny_data_path,
+        "training.checkpoint.training_state_checkpointing_steps": 2, "training.checkpoint.save_final": True,
+    }))).run()
+    run = folder / "out"
+    steps = json.loads((run / "student_steps.json").read_text())
+    frames = 2 * (TRAINED_FRAMES - 1) + 1
+    chunks = []
+    args = build_parser().parse_args([str(run), "--prompt", PROMPT, "--output", str(tmp_path / "sf.mp4"),
+                                      "--num_frames", str(frames), "--seed", "4"])
+    report = generate(args, lambda index, chunk: chunks.append(chunk))
+    assert report.chunks == 4 and _frames(tmp_path / "sf.mp4") == frames
+    loaded = load(resolve_source(str(run)), PROMPT, "", torch.device("cpu"))
+    noise = torch.randn(1, 16, 11, 6, 6, generator=torch.Generator().manual_seed(4))  # 41 frames: 11 latent
+    one_shot = kv_cached_rollout(
+        loaded.student, noise, loaded.text.text, sigmas=steps["sigmas"] + [0.0], timesteps=steps["timesteps"],
+        renoise=True, generator=torch.Generator().manual_seed(5),  # generate's re-noising: seed + 1
+    ).latents
+    assert (torch.cat([c.latents for c in chunks], dim=2) - one_shot).abs().max() < 1e-5
