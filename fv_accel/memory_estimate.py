@@ -598,7 +598,32 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
         else:
             described.append(f"frozen teacher {other.census.total:,} parameters (no gradient, no optimizer state)")
     est.notes.append("distillation: the student's figures plus the " + " and the ".join(described))
+    if cfg.method.name == "self_forcing":
+        _add_kv_cache(cfg, est)
     return est
+
+
+def _add_kv_cache(cfg: RunConfig, est: MemoryEstimate) -> None:
+    """Self-Forcing's rollout holds the KV cache of the finished chunks (every layer's keys and
+    values of all but the last chunk, or of the student's window) beside the exit steps' activations."""
+    from fv_accel.config import parse_chunk_size
+
+    shape = _wan_shape(est.census.configs[0]) if est.census.configs else None
+    if est.bucket is None or shape is None or est.activations is None:
+        est.notes.append("self_forcing: the KV cache of the rollout is not estimated (no Wan shape or data bucket)")
+        return
+    _, frames, _, _ = est.bucket.latent
+    chunk = parse_chunk_size(cfg.method.chunk_size)
+    cached = max(frames - chunk, 0)
+    st = cfg.models.student
+    if st.local_attn_size > 0:
+        cached = min(cached, st.local_attn_size - chunk + st.sink_size)
+    tokens_per_frame = est.bucket.tokens // max(frames // shape.patch[0], 1)  # the batch's
+    act_bytes = 2 if est.launch.mixed_precision in ("bf16", "fp16") else 4
+    kv = 2.0 * shape.layers * cached * tokens_per_frame * shape.width * act_bytes
+    est.activations += kv
+    est.activation_parts = {**est.activation_parts, "kv_cache": kv}
+    est.notes.append(f"self_forcing: KV cache of {cached} latent frames x {shape.layers} layers, {fmt_bytes(kv)}, in activations")
 
 
 def _estimate_role(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> MemoryEstimate:

@@ -139,3 +139,37 @@ def test_refusals_are_one_line_naming_the_key(tmp_path):
     # Resuming a checkpoint without the rollout generator's state.
     with pytest.raises(ValueError, match="no self_forcing rollout generator state"):
         build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / "r")).method.load_state_tensors({})
+
+
+def test_the_memory_estimate_adds_the_kv_cache_of_the_finished_chunks(tmp_path):
+    from fv_accel.memory_estimate import estimate_memory
+
+    sf = estimate_memory(load_config(SF_RECIPE, self_forcing_overrides(tmp_path)), {})
+    kv = sf.activation_parts["kv_cache"]
+    b = sf.bucket
+    # The tests' teacher: 1 layer of width 32; 6 latent frames in chunks of 3: one chunk (3 frames) cached.
+    tokens_per_frame = b.tokens // b.latent[1]
+    act_bytes = 2 if sf.launch.mixed_precision in ("bf16", "fp16") else 4
+    assert kv == 2 * 1 * 3 * tokens_per_frame * 32 * act_bytes
+    windowed = estimate_memory(load_config(SF_RECIPE, self_forcing_overrides(tmp_path, **{"models.student.local_attn_size": 3})), {})
+    assert windowed.activation_parts["kv_cache"] == 0  # a window of one chunk: the chunk sees only itself
+    assert any("KV cache of 3 latent frames" in note for note in sf.notes)
+
+
+def test_a_lora_student_with_ema_trains_and_saves_its_adapter_and_average(tmp_path):
+    extra = {"models.student.lora.enable": True, "method.generator_update_interval": 1, "training.loop.max_train_steps": 2,
+             "callbacks.ema.enable": True}
+    run = build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path, **extra))
+    teacher = {k: v.clone() for k, v in run.method.teacher.transformer.state_dict().items()}
+    summary = Trainer(run).run()
+    assert summary["steps"] == 2 and summary["skipped_steps"] == 0
+    out = tmp_path / "out"
+    from safetensors.torch import load_file
+
+    adapter = load_file(str(out / "pytorch_lora_weights.safetensors"))
+    assert adapter and all("lora" in k for k in adapter)
+    assert any(float(v.abs().max()) > 0 for k, v in adapter.items() if "lora_B" in k)  # the student's updates
+    state = run.method.student.transformer.state_dict()
+    base = {k.replace("base_layer.", ""): v for k, v in state.items() if "lora" not in k}
+    assert all(torch.equal(base[k], teacher[k]) for k in teacher)  # only the adapter trained
+    assert any(p.name.startswith("ema") for p in out.iterdir()), sorted(p.name for p in out.iterdir())
