@@ -193,7 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     table = []
     for r in rows:
         line = [r["sampler"], f"{r['forwards_per_sample']:g}", f"{r['first_chunk_s'] * 1000:.1f}", f"{r['first_chunk_ratio']:.3f}",
-                f"{r['latent_frames_per_s']:.1f}", f"{r['fps_ratio']:.2f}"]
+                f"{r['latent_frames_per_s']:.3g}", f"{r['fps_ratio']:.2f}"]
         if quality:
             line += [f"{r['latent_distance']:.3f}", f"{r['track_distance_px']:.2f}"]
         table.append(line)
