@@ -173,3 +173,17 @@ def test_a_lora_student_with_ema_trains_and_saves_its_adapter_and_average(tmp_pa
     base = {k.replace("base_layer.", ""): v for k, v in state.items() if "lora" not in k}
     assert all(torch.equal(base[k], teacher[k]) for k in teacher)  # only the adapter trained
     assert any(p.name.startswith("ema") for p in out.iterdir()), sorted(p.name for p in out.iterdir())
+
+
+def test_activation_checkpointing_recomputes_each_chunk_over_the_cache_it_saw(tmp_path):
+    """With checkpointed blocks the backward recomputes every chunk's exit step after later chunks
+    were written into the cache: it must attend to what the first pass attended to. The student's
+    update equals the one without checkpointing."""
+    extra = {"method.generator_update_interval": 1, "training.loop.max_train_steps": 1}
+    weights = []
+    for kind in (None, "full"):
+        run = build_from_config(SF_RECIPE, self_forcing_overrides(
+            tmp_path / str(kind), **extra, **{"training.model.enable_gradient_checkpointing_type": kind}))
+        Trainer(run).run()
+        weights.append({k: v.clone() for k, v in run.method.student.transformer.state_dict().items()})
+    assert max(float((weights[0][k] - weights[1][k]).abs().max()) for k in weights[0]) < 1e-6

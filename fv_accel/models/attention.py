@@ -328,6 +328,14 @@ class TokenLayout:
     frame_offset: int = 0  # kv_cache: absolute index of the first frame
     cache: Optional[KVCache] = None
     write_cache: bool = False
+    # The cache's segments per layer as this forward sees them, fixed when the layout is made: a
+    # forward recomputed later (activation checkpointing) attends to what the first pass attended
+    # to, whatever the cache has gained since.
+    visible: Optional[dict] = None
+
+    def __post_init__(self) -> None:
+        if self.cache is not None and self.visible is None:
+            object.__setattr__(self, "visible", {layer: list(segs) for layer, segs in self.cache.segments.items()})
 
 
 class CausalRotary(tuple):
@@ -587,7 +595,7 @@ class CausalAttention:
         if layout.num_frames > block:
             raise ValueError(f"a cached forward holds one block ({block} frames), got {layout.num_frames}")
         cache = layout.cache
-        segments = cache.segments.get(layer, []) if cache is not None else []
+        segments = layout.visible.get(layer, []) if layout.visible is not None else []
         keys, values = [], []
         for seg_start, k, v in segments:
             frames = torch.arange(seg_start, seg_start + k.shape[2] // s)
@@ -597,6 +605,7 @@ class CausalAttention:
                 values.append(v[:, :, a * s : b * s])
         out = F.scaled_dot_product_attention(query, torch.cat(keys + [key], dim=2), torch.cat(values + [value], dim=2))
         if layout.write_cache:
+            segments = cache.segments.get(layer, [])
             if segments and segments[-1][0] + segments[-1][1].shape[2] // s != start:
                 raise ValueError(f"the KV cache ends before frame {start}: blocks must be written in order")
             kept = [seg for seg in segments if self._may_be_seen(seg, s, end)]

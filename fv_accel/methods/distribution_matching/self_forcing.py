@@ -206,30 +206,31 @@ class SelfForcingMethod(DMD2Method):
         noise = self._start_noise(latents.shape, device)
         blocks = self.blocks(latents.shape[2])
         exits = self.sample_exit_indices(len(blocks), len(steps), device)
-        return self._rollout(tb, noise, steps, exits, lambda shape: self._rollout_randn(shape, device), with_grad=with_grad)
+        return self._rollout(tb, noise, steps, blocks, exits, lambda shape: self._rollout_randn(shape, device), with_grad=with_grad)
 
     @torch.no_grad()
     def sample(self, tb: TrainingBatch, noise: torch.Tensor, generator: Any = None) -> torch.Tensor:
         """The student's sample as it streams: the training rollout with every chunk through all of
         its few steps, from `noise` [B, C, T, H, W]; the re-noising and context noises drawn from
         `generator` (torch.Generator, one per sample, or None for torch's global one)."""
+        from fv_accel.sampling import chunk_bounds
+
         steps = self.denoising_steps(noise.shape).float()
-        blocks = self.blocks(noise.shape[2])
+        blocks = chunk_bounds(noise.shape[2], self.block_size)  # a shorter last chunk where the length asks
 
         def draw(shape: torch.Size) -> torch.Tensor:
             if generator is None:
                 return torch.randn(shape, device=noise.device)
             return randn(shape, generator, noise.device)
 
-        return self._rollout(tb, noise.float(), steps, [len(steps) - 1] * len(blocks), draw, with_grad=False)
+        return self._rollout(tb, noise.float(), steps, blocks, [len(steps) - 1] * len(blocks), draw, with_grad=False)
 
-    def _rollout(self, tb: TrainingBatch, noise: torch.Tensor, steps: torch.Tensor, exits: list[int],
-                 draw: Any, *, with_grad: bool) -> torch.Tensor:
+    def _rollout(self, tb: TrainingBatch, noise: torch.Tensor, steps: torch.Tensor, blocks: list[tuple[int, int]],
+                 exits: list[int], draw: Any, *, with_grad: bool) -> torch.Tensor:
         from fv_accel.models.attention import KVCache
 
-        bsz, num_frames, device = noise.shape[0], noise.shape[2], noise.device
+        bsz, device = noise.shape[0], noise.device
         table = self.student.training_table(noise.shape)
-        blocks = self.blocks(num_frames)
         cache = KVCache()
         out = []
         for k, (start, end) in enumerate(blocks):
