@@ -379,3 +379,18 @@ def test_a_lora_checkpoint_exports_merged_into_an_ltx_transformer(tmp_path, ltx)
     base = LTXVideoTransformer3DModel.from_pretrained(str(model), subfolder="transformer")
     changed = [k for k, v in base.state_dict().items() if not torch.equal(v, merged.state_dict()[k])]
     assert changed and all("attn" in k for k in changed)
+
+
+def test_self_forcing_distils_a_block_causal_ltx_student(tmp_path, ltx):
+    """Self-Forcing beyond Wan: an LTX-Video teacher and critic, the student the same model made
+    block-causal (chunks of 1 latent frame: 3 chunks), rolled out over its KV cache."""
+    model, data = ltx
+    over = run_overrides(tmp_path, model, data, **{
+        "models.student.init_from": str(model), "models.student.causal": True, "models.teacher.init_from": str(model),
+        "method.chunk_size": 1, "method.generator_update_interval": 1,
+    })
+    run = build_from_config(str(ROOT / "configs" / "tiny_self_forcing.yaml"), over)
+    assert type(run.method.student).__name__ == "LTXVideoStudent" and run.method.student.causal_attention is not None
+    summary = Trainer(run).run()
+    assert summary["steps"] == 2 and summary["skipped_steps"] == 0
+    assert (tmp_path / "out" / "transformer" / "config.json").is_file() and (tmp_path / "out" / "critic").is_dir()
