@@ -1,4 +1,5 @@
-# Quick start: `make demo` (tiny DFSFT run), `make test` (the whole suite) and `make test-fast`
+# Quick start: `make demo` (tiny DFSFT run), `make test` (the whole suite), `make bench` (the step-overhead
+# guard, docs/performance.md) and `make test-fast`
 # (an everyday subset, under a minute).
 # Each creates .venv if absent and installs the package with pinned dependencies: the demos what
 # they need (`pip install -e .`), the tests the dev extras on top (DeepSpeed, W&B, bitsandbytes,
