@@ -1,4 +1,5 @@
-# Quick start: `make demo` (tiny DFSFT run), `make test` (the whole suite) and `make test-fast`
+# Quick start: `make demo` (tiny DFSFT run), `make test` (the whole suite), `make bench` (the step-overhead
+# guard, docs/performance.md) and `make test-fast`
 # (an everyday subset, under a minute).
 # Each creates .venv if absent and installs the package with pinned dependencies: the demos what
 # they need (`pip install -e .`), the tests the dev extras on top (DeepSpeed, W&B, bitsandbytes,
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fv_accel_installed
 DEV_STAMP := $(VENV)/.fv_accel_dev_installed
 
-.PHONY: demo demo-finetune test test-fast install clean
+.PHONY: demo demo-finetune test test-fast bench install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -53,6 +54,14 @@ FAST_TESTS := tests/test_config.py tests/test_schedulers.py tests/test_layering.
 	tests/test_context_parallel.py tests/test_memory_estimate.py
 test-fast: $(DEV_STAMP)
 	$(PY) -m pytest -q -m "not slow and not multiproc" $(FAST_TESTS)
+
+# The step-overhead guard (docs/performance.md: run it before a release and after a change to the
+# loop): our SFT, DFSFT and LoRA steps against bare PyTorch loops at the small size, MET or MISSED
+# per target, exit status 1 when one is missed. ~15 min on 2 idle cores; keep the machine quiet.
+BENCH_ROUNDS ?= 12
+bench: $(DEV_STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$$(nproc)} $(PY) benchmarks/step_overhead.py --sizes small --rounds $(BENCH_ROUNDS) \
+		--name step_overhead_$$(date +%Y-%m-%d)
 
 clean:
 	rm -rf outputs

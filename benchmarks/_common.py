@@ -397,7 +397,7 @@ class OursRunner:
             # The method's step holds the forward; the rest of it is noise, timesteps and the loss.
             self.clock.phase_timer.wrap(method, "single_train_step", "method_step")
             # The Trainer's clipping: the gradient norm, and the scaling when over the limit.
-            self.clock.phase_timer.wrap(self.trainer, "_grad_norm", "clip")
+            self.clock.phase_timer.wrap(self.trainer, "_grad_norms", "clip")
             self.clock.phase_timer.wrap(self.trainer, "_clip_to", "clip")
 
     @property
@@ -420,9 +420,11 @@ class OursRunner:
 
 class BareLoop:
     """The cheapest loop we can write on the same model, batch and optimizer math: noise,
-    flow-matching loss, backward, the recipe's optimizer step as our run builds it (`build_optimizer`;
-    the benchmark recipes': AdamW, in the kernel `implementation: auto` picks, fused where torch has it); nothing
-    else (no clipping, no logging, one batch kept on the device). `lora`: the recipe's peft LoRA
+    flow-matching loss, backward, the recipe's gradient clipping as a bare loop writes it
+    (`torch.nn.utils.clip_grad_norm_` to `callbacks.grad_clip.max_grad_norm`, when > 0), the recipe's
+    optimizer step as our run builds it (`build_optimizer`; the benchmark recipes': AdamW, in the
+    kernel `implementation: auto` picks, fused where torch has it); nothing else (no logging, no
+    non-finite check, one batch kept on the device). `lora`: the recipe's peft LoRA
     adapter on the frozen model, trained alone. On CUDA each step ends with a synchronize so that
     per-step times are real (our Trainer syncs once a step too, in its non-finite check)."""
 
@@ -446,7 +448,9 @@ class BareLoop:
         self.model.train()
         from fv_accel.optim import build_optimizer
 
-        self.optimizer = build_optimizer(cfg, [p for p in self.model.parameters() if p.requires_grad])
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(cfg, self.params)
+        self.max_norm = float(cfg.callbacks.grad_clip.max_grad_norm)
         self.x0 = batch["vae_latent"].to(device=device, dtype=torch.float32)
         self.text = batch["text_embedding"].to(device=device, dtype=torch.float32)
         # The bare loop trains the Wan transformer: the Wan family's training shift.
@@ -461,6 +465,7 @@ class BareLoop:
         if phases:
             self.phase_timer = PhaseTimer(self.model, self.optimizer)
             self.phase_timer.wrap(self, "backward", "backward")
+            self.phase_timer.wrap(self, "clip", "clip")
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -476,9 +481,14 @@ class BareLoop:
             pred = self.model(hidden_states=noisy, timestep=sigma * 1000, encoder_hidden_states=self.text, return_dict=False)[0]
         loss = (pred.float() - (noise - x0)).pow(2).mean()
         self.backward(loss)
+        self.clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
+
+    def clip(self) -> None:
+        if self.max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
 
     def steps(self, n: int) -> list[StepTime]:
         out = []
@@ -487,6 +497,135 @@ class BareLoop:
             self.step()
             synchronize()
             out.append(since(start, self.phase_timer.take() if self.phase_timer is not None else None))
+        return out
+
+
+# DMD2 at a benchmark size: the recipe's model as the frozen teacher, the student and critic its
+# copies; a 2-step student updated every step, so that every step runs all three models and both
+# optimizers (student and critic).
+DMD2_STEPS = [1000, 500]
+
+
+def dmd2_overrides(cfg: Any) -> dict:
+    """Overrides that turn a size's SFT recipe `cfg` into a DMD2 run of the same model."""
+    student = cfg.models.student
+    teacher = {"init_from": None, "model_class": student.model_class, "flow_shift": student.flow_shift,
+               "transformer_config": dict(student.transformer_config)}
+    return {
+        "method.name": "dmd2",
+        "models.teacher": teacher,
+        "models.student": dict(teacher),
+        "method.rollout_mode": "simulate",
+        "method.dmd_denoising_steps": list(DMD2_STEPS),
+        "method.generator_update_interval": 1,
+        "method.real_score_guidance_scale": 3.0,
+        "method.min_timestep_ratio": 0.02,
+        "method.max_timestep_ratio": 0.98,
+        "method.fake_score_learning_rate": cfg.training.optimizer.learning_rate,
+        "method.fake_score_betas": [0.0, 0.999],
+        "method.fake_score_lr_scheduler": "constant",
+    }
+
+
+class BareDMD2Loop:
+    """DMD2's step written bare on the same Wan model: three transformers (a frozen teacher, a
+    student and a critic, each its own copy), two optimizers as our run builds them, the recipe's
+    clipping of both (torch's clip_grad_norm_), one batch kept on the device. Per step, as
+    DMD2Method with a 2-step student updated every step: a rollout of the student (its first step
+    without gradient, the exit step's prediction with it), the DMD gradient (critic, teacher
+    conditional and unconditional on the re-noised rollout), a second rollout without gradient for
+    the critic's flow-matching loss; backward of both losses, clip, both optimizer steps."""
+
+    def __init__(self, cfg: Any, batch: dict, device: torch.device):
+        from accelerate.utils import set_seed
+        from diffusers import WanTransformer3DModel
+
+        from fv_accel.optim import build_optimizer
+
+        set_seed(cfg.training.data.seed)
+        make = lambda: WanTransformer3DModel(**dict(cfg.models.student.transformer_config)).to(device)  # noqa: E731
+        self.teacher, self.student, self.critic = make(), make(), make()
+        self.teacher.requires_grad_(False).eval()
+        self.student.load_state_dict(self.teacher.state_dict())
+        self.critic.load_state_dict(self.teacher.state_dict())
+        self.student.train()
+        self.critic.train()
+        self.opt_student = build_optimizer(cfg, list(self.student.parameters()))
+        self.opt_critic = build_optimizer(cfg, list(self.critic.parameters()))
+        self.max_norm = float(cfg.callbacks.grad_clip.max_grad_norm)
+        self.x0 = batch["vae_latent"].to(device=device, dtype=torch.float32)
+        self.text = batch["text_embedding"].to(device=device, dtype=torch.float32)
+        self.uncond = torch.zeros_like(self.text)
+        from fv_accel.models.wan import WanStudent
+
+        shift = cfg.models.student.flow_shift
+        self.shift = float(WanStudent.default_flow_shift if shift is None else shift)
+        self.steps = torch.tensor([float(t) for t in DMD2_STEPS], device=device)
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(cfg.training.data.seed)
+
+    def sigma(self, t: torch.Tensor) -> torch.Tensor:
+        u = t / 1000.0
+        return self.shift * u / (1 + (self.shift - 1) * u)
+
+    def x0_of(self, model: Any, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        velocity = model(hidden_states=x, timestep=t.expand(x.shape[0]), encoder_hidden_states=text, return_dict=False)[0]
+        return x - self.sigma(t).view(-1, 1, 1, 1, 1) * velocity
+
+    def renoise(self, x0: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = torch.randn(x0.shape, generator=self.generator, device=self.device)
+        s = self.sigma(t).view(-1, 1, 1, 1, 1)
+        return (1 - s) * x0 + s * noise, noise
+
+    def rollout(self, *, with_grad: bool) -> torch.Tensor:
+        exit_index = int(torch.randint(0, len(self.steps), (1,), generator=self.generator, device=self.device).item())
+        x = torch.randn(self.x0.shape, generator=self.generator, device=self.device)
+        start = x
+        with torch.no_grad():
+            x = self.renoise(self.x0_of(self.student, x, self.steps[:1], self.text), self.steps[1:2])[0]
+        noisy = x if exit_index > 0 else start
+        with torch.set_grad_enabled(with_grad):
+            return self.x0_of(self.student, noisy, self.steps[exit_index : exit_index + 1], self.text)
+
+    def score_timestep(self) -> torch.Tensor:
+        t = torch.randint(0, 1000, (1,), generator=self.generator, device=self.device).float()
+        return (self.shift * t / (1 + (self.shift - 1) * t / 1000)).clamp(20, 980)
+
+    def step(self) -> torch.Tensor:
+        generated = self.rollout(with_grad=True)
+        with torch.no_grad():
+            t = self.score_timestep()
+            noisy, _ = self.renoise(generated, t)
+            fake = self.x0_of(self.critic, noisy, t, self.text)
+            real_cond = self.x0_of(self.teacher, noisy, t, self.text)
+            real_uncond = self.x0_of(self.teacher, noisy, t, self.uncond)
+            real = real_uncond + (real_cond - real_uncond) * 3.0
+            grad = torch.nan_to_num((fake - real) / torch.abs(generated - real).mean())
+        generator_loss = 0.5 * torch.nn.functional.mse_loss(generated, (generated - grad).detach())
+        with torch.no_grad():
+            critic_x0 = self.rollout(with_grad=False)
+        t = self.score_timestep()
+        noisy, noise = self.renoise(critic_x0, t)
+        pred = self.critic(hidden_states=noisy, timestep=t, encoder_hidden_states=self.text, return_dict=False)[0]
+        critic_loss = torch.mean((pred - (noise - critic_x0)) ** 2)
+        generator_loss.backward()
+        critic_loss.backward()
+        if self.max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(list(self.student.parameters()), self.max_norm)
+            torch.nn.utils.clip_grad_norm_(list(self.critic.parameters()), self.max_norm)
+        self.opt_student.step()
+        self.opt_critic.step()
+        self.opt_student.zero_grad(set_to_none=True)
+        self.opt_critic.zero_grad(set_to_none=True)
+        return generator_loss + critic_loss
+
+    def steps_timed(self, n: int) -> list[StepTime]:
+        out = []
+        for _ in range(n):
+            start = clocks()
+            self.step()
+            synchronize()
+            out.append(since(start))
         return out
 
 

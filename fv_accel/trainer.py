@@ -98,6 +98,46 @@ def resolve_nan_policy(cfg: Any, steps_in_backward: bool, *, log: bool = False) 
     return "stop"
 
 
+def target_grad_norms(targets: list[list]) -> list[torch.Tensor]:
+    """The total gradient 2-norm of each target (a list of parameters; 0 for a target without
+    gradients), from one fused reduction: one `torch._foreach_norm` per (device, dtype) over the
+    gradients of all targets, then each target's per-tensor norms stacked into its total. Bitwise
+    what `torch.nn.utils.get_total_norm` gives per target: a tensor's norm does not depend on the
+    other tensors of the call, and each total stacks its norms in get_total_norm's order (grouped
+    by device and dtype in order of first appearance). Nothing is read on the host."""
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    grads = [[p.grad for p in params if p.grad is not None] for params in targets]
+    flat = [g for target in grads for g in target]
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(flat):
+        groups.setdefault((g.device, g.dtype), []).append(i)
+    per_tensor: list[Any] = [None] * len(flat)
+    with torch.no_grad():
+        for (device, _), where in groups.items():
+            tensors = [flat[i] for i in where]
+            if _has_foreach_support(tensors, device):
+                norms = torch._foreach_norm(tensors, 2.0)
+            else:
+                norms = [torch.linalg.vector_norm(t, 2.0) for t in tensors]
+            for i, norm in zip(where, norms):
+                per_tensor[i] = norm
+        totals, start = [], 0
+        for target in grads:
+            where = range(start, start + len(target))
+            start += len(target)
+            if not target:
+                totals.append(torch.tensor(0.0))
+                continue
+            first_seen: dict[tuple, int] = {}
+            for i in where:
+                first_seen.setdefault((flat[i].device, flat[i].dtype), len(first_seen))
+            ordered = sorted(where, key=lambda i: first_seen[(flat[i].device, flat[i].dtype)])
+            device = target[0].device
+            totals.append(torch.linalg.vector_norm(torch.stack([per_tensor[i].to(device) for i in ordered]), 2.0))
+    return totals
+
+
 def _stderr_fd() -> int:
     try:
         return sys.stderr.fileno()
@@ -357,27 +397,44 @@ class Trainer:
         self._stop_reason = self._stop_reason or reason
 
     # ---- gradient clipping ----
+    def _engine_clips(self) -> bool:
+        """Whether clipping goes through Accelerate (clipped where the norm is taken): FSDP2 (its
+        DTensor-aware norm), DeepSpeed (the norm its engine step took), other sharded engines and
+        fp16 (the loss scaler unscales first). Otherwise the trainer takes the norms itself
+        (`target_grad_norms`) and scales afterwards, only where the norm is over the limit."""
+        from accelerate.utils import DistributedType
+
+        acc = self.accelerator
+        unsharded = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
+        return self.steps_in_backward or acc.distributed_type not in unsharded or acc.scaler is not None
+
     def _grad_norm(self, params: list, max_norm: float) -> tuple[Any, bool]:
-        """The global gradient norm, and whether the gradients are already clipped to `max_norm`.
+        """One clip target's gradient norm, and whether its gradients are already clipped to `max_norm`
+        (`_grad_norms` with one target)."""
+        norms, clipped = self._grad_norms([params], max_norm)
+        return norms[0], clipped
+
+    def _grad_norms(self, targets: list[list], max_norm: float) -> tuple[list, bool]:
+        """The global gradient norm of each clip target (a list of parameters), and whether the
+        gradients are already clipped to `max_norm`.
 
         torch's clip_grad_norm_ (under Accelerate's) rescales every gradient every step, by exactly
-        1.0 when the norm is under the limit, to spare a host sync: a second pass over all gradients
-        (about 2% of a step of configs/bench_small.yaml on CPU, benchmarks/step_overhead.py). The
-        loop reads the norm anyway, in its one sync per step (the non-finite check), so on unsharded
-        runs without a loss scaler only the norm is taken here and `_clip_to` rescales afterwards,
-        only when it changes something; the gradients are bit-identical either way. Sharded engines,
-        DeepSpeed and fp16 keep Accelerate's path (clipped here).
+        1.0 when the norm is under the limit, to spare a host sync: a second pass over all gradients.
+        The loop reads the norms anyway, in its one sync per step (the non-finite check), so on
+        unsharded runs without a loss scaler the norms of all targets come from one fused reduction
+        (`target_grad_norms`) and `_clip_to` rescales afterwards, only a target whose norm is over the
+        limit; the gradients are bit-identical either way. FSDP2, DeepSpeed, other sharded engines
+        and fp16 keep Accelerate's path (clipped here, per target).
         """
         from accelerate.utils import DistributedType
 
         acc = self.accelerator
         limit = max_norm if max_norm > 0 else math.inf
-        unsharded = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
         if acc.distributed_type == DistributedType.FSDP and getattr(acc, "is_fsdp2", False):
-            return self._fsdp2_clip(params, limit), True
-        if self.steps_in_backward or acc.distributed_type not in unsharded or acc.scaler is not None:
-            return acc.clip_grad_norm_(params, limit), True  # DeepSpeed: the norm its engine step took
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]), False
+            return [self._fsdp2_clip(params, limit) for params in targets], True
+        if self._engine_clips():
+            return [acc.clip_grad_norm_(params, limit) for params in targets], True
+        return target_grad_norms(targets), False
 
     def _fsdp2_clip(self, params: list, limit: float) -> Any:
         """Accelerate's FSDP2 clip (unscale, then its DTensor-aware norm and clip) called directly:
@@ -624,7 +681,7 @@ class Trainer:
         """Steps until `max_train_steps`, a fault policy stops the run (TrainingStopped) or a signal
         asks for a stop at a step boundary; then the final outputs (or the stop's checkpoint) and the
         run summary."""
-        from fv_accel.data.loader import device_prefetch
+        from fv_accel.data.loader import BatchPrefetcher
         from fv_accel.process import progress_bar
         from fv_accel.telemetry import Telemetry
 
@@ -637,31 +694,37 @@ class Trainer:
         progress = self._progress = progress_bar(
             loop.max_steps, "train", show=acc.is_local_main_process, unit="step", initial=self.step
         )
-        data_iter = device_prefetch(self.dataloader, acc.device)
+        # The next batches are read and moved to the device in the background while a step computes.
+        batches = BatchPrefetcher(self.dataloader, acc.device)
         t_start = time.perf_counter()
         stopped_by: Optional[str] = None
         for model in loop.models:
             model.train()
-        while self.step < loop.max_steps:
-            t0 = time.perf_counter()
-            outcome = self._train_step(data_iter, loop)
-            rows_set_aside = self._set_aside_flagged_rows(outcome)
-            self._count_step(outcome)
-            if rows_set_aside:
-                # Batches drawn ahead may hold those rows: draw again after the finished step.
-                data_iter = device_prefetch(self.dataloader, acc.device)
-            outcome.step_time = time.perf_counter() - t0
-            tally.add(outcome, loop.data_parallel)
-            self._log_step(outcome, loop, tally, telemetry)
-            if outcome.applied:
-                self._stop_after_applied_fault(outcome, loop)
-            for cb in self.callbacks:
-                cb.on_step_end(self, self.step, outcome.logs)
-            self._checkpoint_if_due(loop)
-            self._stop_on_fault_policy(outcome, loop)
-            stopped_by = self._requested_stop(loop)
-            if stopped_by is not None:
-                break
+        try:
+            while self.step < loop.max_steps:
+                t0 = time.perf_counter()
+                outcome = self._train_step(batches, loop)
+                if outcome.fault is not None:
+                    batches.close()  # batches drawn ahead may hold rows about to be set aside
+                self._set_aside_flagged_rows(outcome)
+                self._count_step(outcome)
+                if outcome.fault is not None:
+                    # Draw again after the finished step, without the rows set aside.
+                    batches = BatchPrefetcher(self.dataloader, acc.device)
+                outcome.step_time = time.perf_counter() - t0
+                tally.add(outcome, loop.data_parallel)
+                self._log_step(outcome, loop, tally, telemetry)
+                if outcome.applied:
+                    self._stop_after_applied_fault(outcome, loop)
+                for cb in self.callbacks:
+                    cb.on_step_end(self, self.step, outcome.logs)
+                self._checkpoint_if_due(loop)
+                self._stop_on_fault_policy(outcome, loop)
+                stopped_by = self._requested_stop(loop)
+                if stopped_by is not None:
+                    break
+        finally:
+            batches.close()
         progress.close()
         wall = time.perf_counter() - t_start
         return self._end_of_run(stopped_by, wall, tally, telemetry)
@@ -746,17 +809,15 @@ class Trainer:
         targets = [(name, self._params_of(module)) for name, module in method.get_grad_clip_targets(iteration).items()]
         # The norms are taken even without clipping (max norm inf) to catch a
         # non-finite gradient before it reaches the weights.
-        measured = [self._grad_norm(params, loop.max_norm) for _, params in targets]
-        norms = [norm for norm, _ in measured]
+        norms, clipped = self._grad_norms([params for _, params in targets], loop.max_norm)
         if len(norms) > 1:  # FSDP2's norms are replicated DTensors: their plain value, for the total
             plain = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
             out.grad_norm = torch.stack([n.reshape(()).float() for n in plain]).norm()
+            out.grad_norms = {name: norm for (name, _), norm in zip(targets, plain)}
         else:
             out.grad_norm = norms[0]
-        if len(norms) > 1:
-            out.grad_norms = {name: norm for (name, _), norm in zip(targets, plain)}
         out.fault = self._find_fault(out.loss_sums["total_loss"], norms, out.micro_records, iteration)
-        for (_, params), (norm, clipped), value in zip(targets, measured, self._norm_values):
+        for (_, params), norm, value in zip(targets, norms, self._norm_values):
             if out.fault is None and not clipped:
                 self._clip_to(params, loop.max_norm, norm, value)
         self._name_fault_samples(out)

@@ -43,7 +43,7 @@ def _positive(x: float) -> bool:
 
 def test_step_overhead_quick(tmp_path):
     out = tmp_path / "results"
-    _load("step_overhead").main(["--quick", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    _load("step_overhead").main(["--quick", "--dmd2", "--out", str(out), "--work-dir", str(tmp_path / "work")])
     data, md = _read(out, "step_overhead")
     (res,) = data["sizes"]
     assert res["size"] == "tiny" and res["latent_shape"] == [16, 6, 6, 6] and res["tokens_per_step"] == 2 * 3 * 3 * 6
@@ -68,6 +68,37 @@ def test_step_overhead_quick(tmp_path):
     for impl in ("foreach", "fused"):
         assert "error" in impls[impl] or _positive(impls[impl]["over_for_loop"])
     assert "Optimizer step by implementation" in md
+    # The DMD2-shaped pair: three models and two optimizers, ours through the Trainer.
+    dmd2 = res["dmd2"]
+    assert dmd2["rounds"] == 2 and dmd2["denoising_steps"] == [1000, 500]
+    for name in ("bare_dmd2", "dmd2"):
+        assert dmd2["step_time_s"][name]["n"] == 4 and _positive(dmd2["step_cpu_time_s"][name]["median"])
+    assert _positive(dmd2["cpu_time_ratios"]["dmd2/bare_dmd2"]["median"]) and dmd2["trainer_data_wait_s"]["n"] == 4
+    assert "A DMD2-shaped step, tiny" in md
+
+
+def test_step_overhead_verdicts_read_the_cpu_ratios_and_the_data_wait(capsys):
+    """`make bench`'s MET/MISSED lines, from a result of the target size (no timing here)."""
+    module = _load("step_overhead")
+    ratio = lambda median, target: {"per_round": {"median": median}, "target": target}  # noqa: E731
+    res = {
+        "size": "small",
+        "cpu_time_ratios": {"sft/bare": ratio(1.004, 1.01), "dfsft/bare": ratio(1.02, 1.01), "x/y": ratio(2.0, None)},
+        "trainer_data_wait_s": {"sft": {"median": 0.0004}, "dfsft": {"median": 0.003}},
+    }
+    assert not module.print_verdicts({"sizes": [res]})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "MET    sft/bare CPU time (median of rounds): 1.004 (target <= 1.01)",
+        "MISSED dfsft/bare CPU time (median of rounds): 1.020 (target <= 1.01)",
+        "MET    sft data wait, ms (median): 0.400 (target <= 1)",
+        "MISSED dfsft data wait, ms (median): 3.000 (target <= 1)",
+    ]
+    res["cpu_time_ratios"]["dfsft/bare"] = ratio(1.0, 1.01)
+    res["trainer_data_wait_s"]["dfsft"] = {"median": 0.001}
+    assert module.print_verdicts({"sizes": [res]})
+    assert module.print_verdicts({"sizes": [dict(res, size="tiny")]})
+    assert capsys.readouterr().out.splitlines()[-1].startswith("no targets checked")
 
 
 def test_memory_quick(tmp_path):

@@ -366,24 +366,73 @@ def test_a_dataset_in_the_local_hugging_face_cache(tmp_path, monkeypatch):
     )
 
 
-def test_device_prefetch_copies_the_next_batch_before_handing_out_the_current_one():
-    """On CUDA the trainer reads through device_prefetch: batch i + 1's copy is started before batch
-    i is used; the host keys (sampler position, generator seeds) stay on the host. Checked here
-    with the look-ahead forced on for the CPU device."""
-    from fv_accel.data.loader import HOST_KEYS, device_prefetch
+def test_prefetcher_reads_ahead_on_its_thread_in_order():
+    """The trainer reads through BatchPrefetcher: batch i + 1 is made while batch i is in use (on the
+    CPU device the loader's very batches, no copy), in the loader's order, then the end."""
+    import threading
 
-    pulled = []
+    from fv_accel.data.loader import BatchPrefetcher
+
+    made = [threading.Event() for _ in range(3)]
+    threads = set()
+    batches = [{"vae_latent": torch.full((1, 2), float(i)), "sample_index": torch.tensor([i])} for i in range(3)]
 
     def source():
-        for i in range(3):
-            pulled.append(i)
-            yield {"vae_latent": torch.full((1, 2), float(i)), "sample_index": torch.tensor([i]), "epoch": torch.tensor([0])}
+        for i, batch in enumerate(batches):
+            threads.add(threading.current_thread().name)
+            yield batch
+            made[i].set()  # the consumer's request for batch i + 1 is not needed to get here
 
-    seen = []
-    for batch in device_prefetch(source(), torch.device("cpu"), ahead=True):
-        seen.append((int(batch["sample_index"][0]), list(pulled)))
-    assert seen == [(0, [0, 1]), (1, [0, 1, 2]), (2, [0, 1, 2])]
-    assert set(HOST_KEYS) == {"sample_index", "epoch"}
-    # Off CUDA (the default there) the batches are the very objects the loader made.
-    batches = [{"vae_latent": torch.zeros(1)} for _ in range(2)]
-    assert [id(b) for b in device_prefetch(batches, torch.device("cpu"))] == [id(b) for b in batches]
+    prefetcher = BatchPrefetcher(source(), torch.device("cpu"))
+    first = next(prefetcher)
+    # Batch 1 is made while batch 0 is in use (a wait on an event, no timing).
+    assert made[0].wait(timeout=30)
+    rest = list(prefetcher)
+    assert [id(b) for b in [first, *rest]] == [id(b) for b in batches]
+    assert threads == {"fv_accel-prefetch"}
+    assert next(prefetcher, None) is None
+    prefetcher.close()
+
+
+def test_prefetcher_raises_the_loaders_error_at_its_turn_and_close_stops_the_thread():
+    from fv_accel.data.loader import BatchPrefetcher
+
+    def failing():
+        yield {"sample_index": torch.tensor([0])}
+        raise ValueError("data-00000.parquet row 1 (id 'b'): vae_latent_bytes is missing (null)")
+
+    prefetcher = BatchPrefetcher(failing(), torch.device("cpu"))
+    assert int(next(prefetcher)["sample_index"][0]) == 0
+    with pytest.raises(ValueError, match=r"^data-00000\.parquet row 1 \(id 'b'\): vae_latent_bytes is missing \(null\)$"):
+        next(prefetcher)
+    prefetcher.close()
+
+    closed = []
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                yield {"sample_index": torch.tensor([i])}
+                i += 1
+        finally:
+            closed.append(True)
+
+    prefetcher = BatchPrefetcher(endless(), torch.device("cpu"), depth=2)
+    assert [int(next(prefetcher)["sample_index"][0]) for _ in range(3)] == [0, 1, 2]
+    prefetcher.close()
+    assert not prefetcher._thread.is_alive() and closed == [True]
+    assert next(prefetcher, None) is None
+
+
+def test_a_batch_of_one_is_the_items_tensors_without_a_copy():
+    """collate of a single item: its tensors with a batch dimension, sharing their storage."""
+    from fv_accel.data.loader import collate
+
+    item = {"vae_latent": torch.randn(16, 2, 4, 4), "text_embedding": torch.randn(8, 32),
+            "text_attention_mask": torch.ones(8, dtype=torch.long), "caption": "", "sample_index": 3, "epoch": 0, "position": 0}
+    batch = collate([item])
+    for key in ("vae_latent", "text_embedding", "text_attention_mask"):
+        assert batch[key].shape == (1, *item[key].shape) and batch[key].data_ptr() == item[key].data_ptr()
+    two = collate([item, dict(item, sample_index=4)])
+    assert torch.equal(two["vae_latent"][1], item["vae_latent"]) and two["vae_latent"].data_ptr() != item["vae_latent"].data_ptr()

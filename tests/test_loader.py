@@ -117,6 +117,45 @@ def test_loader_position_resumes_where_it_stopped(mixed_shapes):
     assert next(iter(first))["sample_index"].tolist() == reference[11]
 
 
+def test_prefetched_loader_keeps_the_order_and_checkpoints_the_consumed_position(mixed_shapes):
+    """Through BatchPrefetcher (the trainer's reader) the batches come in the loader's order, and the
+    position a checkpoint keeps is that of the last batch consumed, not of those read ahead."""
+    import threading
+
+    from fv_accel.data.loader import BatchPrefetcher
+
+    def loader():
+        ds = LatentDataset(mixed_shapes)
+        return TrainLoader(ds, BucketBatchSampler([ds.bucket_key(i) for i in range(len(ds))], batch_size=2, seed=5))
+
+    reference = [b["sample_index"].tolist() for b in islice(iter(loader()), 14)]
+    prefetched = loader()
+    drawn = []
+    read_ahead = threading.Event()
+    original = prefetched._batches
+
+    def counting():
+        for batch in original():
+            drawn.append(batch["sample_index"].tolist())
+            if len(drawn) >= 13:
+                read_ahead.set()
+            yield batch
+
+    prefetched._batches = counting
+    batches = BatchPrefetcher(prefetched, torch.device("cpu"), depth=2)
+    got = []
+    for _ in range(11):
+        batch = next(batches)
+        got.append(batch["sample_index"].tolist())
+        prefetched.mark_step_done(batch)
+    assert read_ahead.wait(timeout=30)  # two batches beyond the 11th were read ahead (no timing)
+    assert got == reference[:11]
+    assert prefetched.state_dict() == {"epoch": 1, "step_in_epoch": 3, "group_size": 2, "set_aside": []}
+    batches.close()
+    # A new pass (after a fault's set-aside, or a resume) continues after the consumed batch.
+    assert next(iter(prefetched))["sample_index"].tolist() == reference[11]
+
+
 def test_cfg_dropout_trains_the_stored_unconditional_text_at_a_reproducible_rate(tmp_path):
     path = str(_write_dataset(tmp_path, [(SHAPES[0], 400)]))
     with pytest.raises(ValueError) as err:

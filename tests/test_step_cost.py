@@ -121,6 +121,30 @@ def test_clipping_matches_torch_and_skips_the_pass_under_the_limit(monkeypatch, 
         assert float(torch.nn.utils.get_total_norm([p.grad for p in ours])) == pytest.approx(max_norm, rel=1e-5)
 
 
+def test_target_norms_come_from_one_fused_reduction_bitwise_as_torch(monkeypatch):
+    """`target_grad_norms`: each target's norm bit for bit what torch.nn.utils.get_total_norm gives
+    (mixed dtypes, a parameter without a gradient, a target without any), from one _foreach_norm
+    per dtype over all targets."""
+    from fv_accel.trainer import target_grad_norms
+
+    student, critic = _grads(0), _grads(1)
+    half = torch.nn.Parameter(torch.randn(6, 3, dtype=torch.bfloat16))
+    half.grad = torch.randn(6, 3, dtype=torch.bfloat16)
+    no_grad = torch.nn.Parameter(torch.randn(4))
+    critic = [critic[0], half, no_grad, *critic[1:]]
+    empty = [torch.nn.Parameter(torch.randn(2))]
+    calls = []
+    original = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda tensors, *a, **k: calls.append(len(tensors)) or original(tensors, *a, **k))
+    got = target_grad_norms([student, critic, empty])
+    assert calls == [6, 1]  # the fp32 gradients of both targets in one call, the bf16 one in another
+    monkeypatch.setattr(torch, "_foreach_norm", original)
+    for norm, params in zip(got, (student, critic, empty)):
+        expected = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        assert norm.dtype == expected.dtype and torch.equal(norm, expected)
+    assert float(got[2]) == 0.0
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "grad-checkpointing"])
 def test_blocks_modulate_per_frame_and_match_diffusers_per_token_blocks(checkpointing):
     """The blocks get the [B, T, 6, D] projection (not diffusers' [B, S, 6, D] copy) and give
@@ -168,41 +192,50 @@ def test_per_sample_timesteps_run_diffusers_own_block_forward():
     assert calls == [(2, 6, D)]
 
 
-# Tensor methods that copy a value to the host: on an accelerator each waits for the device.
-HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
+# Tensor methods and torch functions whose result the host needs before it goes on (a value, a
+# data-dependent size or an answer): on an accelerator each waits for the device, a sync.
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy", "nonzero", "unique",
+              "equal", "allclose", "masked_select")
+TORCH_SYNCS = ("nonzero", "unique", "equal", "allclose", "masked_select", "isclose")
 
 
-def test_a_step_reads_the_device_once_except_on_log_steps(monkeypatch, tmp_path, tiny_data_path):
-    """Counted on CPU by wrapping the tensor methods that read a value on the host, for calls made
-    from fv_accel's own code outside the data loader (whose sample indices live on the host)."""
+def _count_step_syncs(monkeypatch, recipe: str, overrides: dict, steps: int) -> dict[int, list[str]]:
+    """The host reads (syncs on an accelerator) each step makes, counted on CPU by wrapping the
+    tensor methods and torch functions that read a value on the host (and torch.cuda.synchronize),
+    for calls made by fv_accel's code on the training thread outside the data loader (whose sample
+    indices live on the host)."""
     import sys
+    import threading
     from pathlib import Path
 
     import fv_accel
     from fv_accel.build import build_from_config
     from fv_accel.trainer import Trainer, TrainerCallback
-    from tests.conftest import tiny_overrides
 
     package = str(Path(fv_accel.__file__).parent)
     loader_dir = str(Path(fv_accel.__file__).parent / "data")
     reads: list[str] = []
     counting = [False]
+    training_thread = threading.current_thread()
 
-    def wrap(name):
-        original = getattr(torch.Tensor, name)
+    def wrap(owner, name):
+        original = getattr(owner, name)
 
-        def counted(self, *args, **kwargs):
-            if counting[0]:
+        def counted(*args, **kwargs):
+            if counting[0] and threading.current_thread() is training_thread:
                 frame = sys._getframe(1)
                 where = frame.f_code.co_filename
                 if where.startswith(package) and not where.startswith(loader_dir):
                     reads.append(f"{name} at {Path(where).name}:{frame.f_lineno}")
-            return original(self, *args, **kwargs)
+            return original(*args, **kwargs)
 
-        monkeypatch.setattr(torch.Tensor, name, counted)
+        monkeypatch.setattr(owner, name, counted)
 
     for name in HOST_READS:
-        wrap(name)
+        wrap(torch.Tensor, name)
+    for name in TORCH_SYNCS:
+        wrap(torch, name)
+    wrap(torch.cuda, "synchronize")
 
     per_step: dict[int, list[str]] = {}
 
@@ -215,20 +248,61 @@ def test_a_step_reads_the_device_once_except_on_log_steps(monkeypatch, tmp_path,
             per_step[step] = list(reads)
             reads.clear()
 
+    run = build_from_config(recipe, overrides, callbacks=[Count()])
+    try:
+        Trainer(run).run()
+    finally:
+        counting[0] = False
+    assert sorted(per_step) == list(range(1, steps + 1))
+    return per_step
+
+
+@pytest.mark.parametrize(
+    "recipe, max_norm",
+    [("configs/tiny_finetune.yaml", 1.0), ("configs/tiny_finetune.yaml", 1e-4), ("configs/tiny_dfsft.yaml", 1e-4)],
+    ids=["finetune", "finetune-clipping", "dfsft-clipping"],
+)
+def test_a_step_reads_the_device_once_except_on_log_steps(monkeypatch, tmp_path, tiny_data_path, recipe, max_norm):
+    """One sync per step (the non-finite check, which carries the gradient norm and the stop request),
+    also when the gradients are clipped (a max norm far under the norm: the scaling uses the value that
+    check read) and for DFSFT's per-frame timesteps; the logged values add one on the steps that log."""
+    from tests.conftest import tiny_overrides
+
     steps, log_every = 8, 4
-    run = build_from_config(
-        "configs/tiny_finetune.yaml",
-        tiny_overrides(tmp_path, **{"training.data.data_path": tiny_data_path, "training.loop.max_train_steps": steps,
-                                    "training.tracker.log_every": log_every}),
-        callbacks=[Count()],
-    )
-    Trainer(run).run()
-    counting[0] = False
+    overrides = tiny_overrides(tmp_path, **{
+        "training.data.data_path": tiny_data_path, "training.loop.max_train_steps": steps,
+        "training.tracker.log_every": log_every, "callbacks.grad_clip.max_grad_norm": max_norm,
+    })
+    per_step = _count_step_syncs(monkeypatch, recipe, overrides, steps)
 
     log_steps = {1, log_every, 2 * log_every, steps}
-    assert sorted(per_step) == list(range(1, steps + 1))
     for step, where in per_step.items():
         if step in log_steps:
             assert len(where) >= 2, (step, where)  # the check, and the logged values
         else:
             assert len(where) == 1 and where[0].startswith("tolist at trainer.py"), (step, where)
+
+
+@pytest.mark.slow
+def test_a_two_target_step_reads_the_device_once(monkeypatch, tmp_path):
+    """DMD2's steps clip the critic, and every `generator_update_interval` steps the student too:
+    both norms come from one fused reduction and travel in the one check. The method's own draw of
+    the rollout's exit step (dmd2.py) is its own read, not the loop's."""
+    from tests.dmd2_helpers import DMD2_RECIPE, dmd2_overrides
+
+    steps = 4
+    overrides = dmd2_overrides(tmp_path, **{"method.generator_update_interval": 2, "training.tracker.log_every": 100,
+                                            "callbacks.grad_clip.max_grad_norm": 1e-4})
+    norm_calls = []
+    original = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda tensors, *a, **k: norm_calls.append(len(tensors)) or original(tensors, *a, **k))
+    per_step = _count_step_syncs(monkeypatch, DMD2_RECIPE, overrides, steps)
+
+    for step, where in per_step.items():
+        loop = [w for w in where if " at dmd2.py:" not in w]
+        if step in (1, steps):
+            assert len(loop) >= 2, (step, loop)  # the check, and the logged values
+        else:
+            assert loop == [w for w in loop if w.startswith("tolist at trainer.py")] and len(loop) == 1, (step, loop)
+    # One fused norm per step: over both models' gradients on the student's steps (2 and 4).
+    assert len(norm_calls) == steps and norm_calls[1] > norm_calls[0] and norm_calls[3] == norm_calls[1], norm_calls

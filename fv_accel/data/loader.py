@@ -229,29 +229,94 @@ def _stored_tensor(row: dict, name: str, where: str) -> torch.Tensor:
 HOST_KEYS = ("sample_index", "epoch")
 
 
-def device_prefetch(batches: Any, device: torch.device, *, ahead: Optional[bool] = None) -> Iterator[dict]:
-    """The batches with their tensors on `device`, the next one's copy started (non-blocking, from
-    pinned memory) before the current one is handed out, so it overlaps the current step. `ahead`
-    (default: on CUDA) turns this on; otherwise the batches come as they are."""
-    if not (device.type == "cuda" if ahead is None else ahead):
-        yield from batches
-        return
+class BatchPrefetcher:
+    """The batches of `batches`, in their order, read and moved to `device` by a background thread
+    while the training thread computes: when the step asks for its batch, it is ready.
 
-    def move(batch: dict) -> dict:
+    The thread pulls from `iter(batches)` (the loader's decoding of Parquet rows, bucketing and
+    collate run there, or in the loader's workers) and moves each batch's tensors to `device` (on
+    CUDA a non-blocking copy from pinned memory; on the CPU device the very tensors, no copy); the
+    host keys (HOST_KEYS) stay on the host. At most `depth` finished batches wait in the queue, and
+    one more is being made. A batch drawn ahead is not consumed: the position a checkpoint keeps is
+    the trainer's (`TrainLoader.mark_step_done`), and `close` drops what was drawn ahead. An error
+    the loader raises (a row it cannot read) is raised by `next` at that batch's turn, as it is."""
+
+    _END = object()
+
+    def __init__(self, batches: Any, device: torch.device, *, depth: int = 1):
+        import queue
+        import threading
+
+        if depth < 1:
+            raise ValueError(f"prefetch depth must be >= 1, got {depth}")
+        self.device = device
+        self._queue: Any = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._ended = False
+        source = iter(batches)  # on the calling thread: a loader notes its start position here
+        self._thread = threading.Thread(target=self._fill, args=(source,), name="fv_accel-prefetch", daemon=True)
+        self._thread.start()
+
+    def _move(self, batch: dict) -> dict:
+        if self.device.type == "cpu":
+            return batch
         return {
-            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in HOST_KEYS else v
+            k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in HOST_KEYS else v
             for k, v in batch.items()
         }
 
-    it = iter(batches)
-    try:
-        following = move(next(it))
-    except StopIteration:
-        return
-    for batch in it:
-        current, following = following, move(batch)
-        yield current
-    yield following
+    def _put(self, item: Any) -> bool:
+        """Queue `item`, waiting for room; False when `close` asked the thread to stop."""
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _fill(self, source: Iterator[dict]) -> None:
+        try:
+            for batch in source:
+                if not self._put(self._move(batch)):
+                    return
+            self._put(self._END)
+        except BaseException as err:  # noqa: BLE001 - handed to the training thread, raised there
+            self._put(err)
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()  # the loader's own clean-up (its DataLoader workers), on this thread
+
+    def __iter__(self) -> "BatchPrefetcher":
+        return self
+
+    def __next__(self) -> dict:
+        if self._ended:
+            raise StopIteration
+        item = self._queue.get()
+        if item is self._END:
+            self._ended = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the thread (the batches drawn ahead are dropped) and wait for it."""
+        import queue
+
+        self._stop.set()
+        self._ended = True
+        while self._thread.is_alive():
+            try:
+                self._queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self._thread.join()
 
 
 def pad_text(text: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,14 +365,20 @@ def conditioning_tensor(name: str, value: torch.Tensor, latent_shape: tuple, whe
     return value.float()
 
 
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack, without its copy for a batch of one (the item's tensor with a batch dimension:
+    the item is not used again)."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
 def collate(items: list[dict]) -> dict:
     """One batch of items: a text-only dataset's have no `vae_latent` (nor has their batch)."""
     shapes = {tuple(it["vae_latent"].shape) if "vae_latent" in it else None for it in items}
     if len(shapes) != 1:
         raise RuntimeError(f"a batch mixes latent shapes {sorted(shapes, key=str)} (bucketing bug)")
     batch = {
-        "text_embedding": torch.stack([it["text_embedding"] for it in items]),
-        "text_attention_mask": torch.stack([it["text_attention_mask"] for it in items]),
+        "text_embedding": _stack([it["text_embedding"] for it in items]),
+        "text_attention_mask": _stack([it["text_attention_mask"] for it in items]),
         "caption": [it["caption"] for it in items],
         "sample_index": torch.tensor([it["sample_index"] for it in items], dtype=torch.long),
         "epoch": torch.tensor([it["epoch"] for it in items], dtype=torch.long),
@@ -316,7 +387,7 @@ def collate(items: list[dict]) -> dict:
         "nonfinite": [bool(it.get("nonfinite", False)) for it in items],
     }
     if shapes != {None}:
-        batch["vae_latent"] = torch.stack([it["vae_latent"] for it in items])
+        batch["vae_latent"] = _stack([it["vae_latent"] for it in items])
     for name in (*CONDITIONING_LAYOUTS, "pooled_text_embedding", "text_embedding_2", "text_attention_mask_2", "audio_text_embedding"):
         holders = [it["sample_index"] for it in items if name in it]
         if len(holders) == len(items):
@@ -548,7 +619,7 @@ class TrainLoader:
         self.dataset = dataset
         self.sampler = sampler
         self.num_workers = num_workers
-        # Page-locked batches on CUDA machines, so `device_prefetch` copies them without blocking.
+        # Page-locked batches on CUDA machines, so `BatchPrefetcher` copies them without blocking.
         self.pin_memory = torch.cuda.is_available()
         # Rows left out because their shape is not the one training.data.num_* ask for.
         self.off_shape_indices: list[int] = []
@@ -584,9 +655,9 @@ class TrainLoader:
         finished step. When no later epoch can take a step without them, the data ends after this
         epoch (`no_step_message` says why)."""
         new = sorted({int(i) for i in rows} - self.set_aside_rows.keys())
-        for i in new:
-            self.set_aside_rows[i] = {"epoch": int(epoch), "step": int(step)}
-            self.sampler.set_aside[i] = int(epoch)
+        # New dicts, not updates in place: a pass still reading ahead on another thread iterates the old.
+        self.set_aside_rows = {**self.set_aside_rows, **{i: {"epoch": int(epoch), "step": int(step)} for i in new}}
+        self.sampler.set_aside = {**self.sampler.set_aside, **dict.fromkeys(new, int(epoch))}
         return new
 
     def no_step_message(self) -> str:
@@ -605,8 +676,12 @@ class TrainLoader:
         return [{**self.dataset.row_location(i), "step": record["step"]} for i, record in found]
 
     def __iter__(self) -> Iterator[dict]:
-        # A new pass starts after the last finished step (prefetched batches are not "consumed").
+        # A new pass starts after the last finished step (prefetched batches are not "consumed"),
+        # set here on the calling thread (the batches may then be read on another: BatchPrefetcher).
         self.sampler.position = LoaderPosition(self._consumed.epoch, self._consumed.step_in_epoch)
+        return self._batches()
+
+    def _batches(self) -> Iterator[dict]:
         loader = DataLoader(
             self.dataset,
             batch_sampler=self.sampler,
