@@ -28,6 +28,8 @@ WAN_RECIPES = {
     "skyreels_v2_df_1_3b_dfsft": ("Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers", "dfsft", None, "auto", False, 3.0),
     "wan2_1_t2v_1_3b_dmd2": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "dmd2", None, "auto", False, 3.0),
     "wan2_2_ti2v_5b_i2v_dmd2": ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "dmd2", None, "i2v", False, 5.0),
+    # The student starts from the causal DFSFT run of wan2_1_t2v_1_3b_dfsft (the teacher is the Hub model).
+    "wan2_1_t2v_1_3b_self_forcing": ("outputs/wan2_1_t2v_1_3b_dfsft", "self_forcing", None, "auto", False, 5.0),
 }
 
 
@@ -59,7 +61,8 @@ FAMILY_RECIPES = {
 
 def test_every_real_recipe_is_listed():
     real = {p.stem for p in (ROOT / "configs").glob("*.yaml")} - {
-        "tiny_finetune", "tiny_dfsft", "tiny_dfsft_causal", "tiny_tfsft", "tiny_dmd2", "tiny_dmd2_teacher", "bench_small", "gpu_bench_1_3b",
+        "tiny_finetune", "tiny_dfsft", "tiny_dfsft_causal", "tiny_tfsft", "tiny_dmd2", "tiny_dmd2_teacher", "tiny_dfsft_causal_multimodal",
+        "tiny_self_forcing", "bench_small", "gpu_bench_1_3b",
         "gpu_bench_14b", "gpu_check_small",
     }
     assert real == set(WAN_RECIPES) | set(FAMILY_RECIPES)
