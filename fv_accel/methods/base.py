@@ -101,8 +101,8 @@ class TrainingMethod:
         self.noise_rng = cfg.training.loop.noise_rng
         # One generator per data-parallel rank seeded seed + rank (FastVideo's "cuda_generator", on
         # the device): the processes of one context-parallel group draw the same noise and timesteps.
-        _, dp_rank = data_parallel_layout(cfg.training.model.context_parallel, state.num_processes, self.process_index)
-        self.cuda_generator = torch.Generator(device=self.device).manual_seed(self.seed + dp_rank)
+        _, self.dp_rank = data_parallel_layout(cfg.training.model.context_parallel, state.num_processes, self.process_index)
+        self.cuda_generator = torch.Generator(device=self.device).manual_seed(self.seed + self.dp_rank)
         # The training table of the scheduler adapter (the training shift, REFERENCE.md section 1).
         # The student gives it per latent shape (a resolution-dependent shift differs by bucket);
         # `noise_to` selects the batch's. Until then it is the table of a one-token latent, used only

@@ -35,6 +35,16 @@ ROLES = ("student", "teacher", "critic")
 STUDENT_STEPS_FILE = "student_steps.json"
 
 
+def write_json_atomically(path: Any, record: Any) -> None:
+    """`record` as indented JSON at `path`, through a temporary sibling renamed over it."""
+    import json
+    import os
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 def parse_cfg_uncond(raw: Any) -> Optional[dict]:
     """`method.cfg_uncond` (FastVideo's): None, or {channel: keep | zero | drop (text also
     negative_prompt), on_missing: error | ignore}; each bad value a ValueError naming it."""
@@ -219,27 +229,26 @@ class DMD2Method(TrainingMethod):
         sigmas = self.few_step_sigmas(torch.Size([1, 1, 1, 1, 1]))
         return few_step_schedule(sigmas, "the student's few steps (method.dmd_denoising_steps)")
 
-    def write_final_files(self, output_dir: Any) -> None:
-        """`student_steps.json` (the student's few timesteps and sigmas, what `python -m
-        fv_accel.generate` samples it at) and `scheduler/scheduler_config.json`, the stock
-        scheduler that samples the student at its steps, where one does."""
-        import json
-        import logging
-        import os
-        from pathlib import Path
-
+    def student_steps_record(self) -> dict[str, Any]:
+        """What `student_steps.json` holds: the student's few timesteps and sigmas and how it steps
+        between them (x0 re-noised with fresh noise; clean context)."""
         one = torch.Size([1, 1, 1, 1, 1])
-        steps = {
+        return {
             "method": self.cfg.method.name,
             "timesteps": [float(t) for t in self.denoising_steps(one)],
             "sigmas": self.few_step_sigmas(one),
-            "student_sample_type": getattr(self, "_sample_type", "sde"),
-            "context_noise": float(getattr(self, "_context_noise", 0.0)),
+            "student_sample_type": "sde",
+            "context_noise": 0.0,
         }
-        path = Path(output_dir) / STUDENT_STEPS_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(steps, indent=1) + "\n")
-        os.replace(tmp, path)
+
+    def write_final_files(self, output_dir: Any) -> None:
+        """`student_steps.json` (`student_steps_record`: what `python -m fv_accel.generate` samples the
+        student at) and `scheduler/scheduler_config.json`, the stock scheduler that samples the
+        student at its steps, where one does."""
+        import logging
+        from pathlib import Path
+
+        write_json_atomically(Path(output_dir) / STUDENT_STEPS_FILE, self.student_steps_record())
         try:
             schedule = self.sampling_schedule()
         except ValueError as err:  # a step list no stock scheduler steps: the student is saved without one

@@ -28,29 +28,25 @@ sample` every noise comes from its sample's generator and the exit steps from a 
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Literal
 
 import torch
-from accelerate import PartialState
 
 from fv_accel.methods.base import LogScalar
-from fv_accel.methods.distribution_matching.dmd2 import DMD2Method
+from fv_accel.methods.distribution_matching.dmd2 import DMD2Method, write_json_atomically
 from fv_accel.models.base import ModelBase, TrainingBatch
-from fv_accel.models.context_parallel import data_parallel_layout
 from fv_accel.schedulers import randn
+from fv_accel.seeding import derived_seed
 
 
 def rollout_generator_seed(seed: int, dp_rank: int) -> int:
     """The rollout generator's 63-bit seed: apart from `cuda_generator`'s (seed + rank)."""
-    digest = hashlib.blake2b(f"{seed}/{dp_rank}/self_forcing_rollout".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+    return derived_seed(seed, dp_rank, "self_forcing_rollout")
 
 
 def exit_generator_seed(seed: int, iteration: int) -> int:
     """The seed of the exit steps' generator of one step under `noise_rng: sample`."""
-    digest = hashlib.blake2b(f"{seed}/{iteration}/self_forcing_exit".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+    return derived_seed(seed, iteration, "self_forcing_exit")
 
 
 def _flag(raw: Any, key: str, default: bool) -> bool:
@@ -88,8 +84,7 @@ class SelfForcingMethod(DMD2Method):
         super().__init__(cfg=cfg, role_models=role_models)
         self.block_size = int(self.student.causal_block_size)
         self._attn_kind = "dense"
-        _, dp_rank = data_parallel_layout(cfg.training.model.context_parallel, PartialState().num_processes, self.process_index)
-        self.rollout_generator = torch.Generator(device=self.device).manual_seed(rollout_generator_seed(self.seed, dp_rank))
+        self.rollout_generator = torch.Generator(device=self.device).manual_seed(rollout_generator_seed(self.seed, self.dp_rank))
         self._iteration = 0
 
     def _parse_self_forcing_keys(self, mc: Any) -> None:
@@ -111,19 +106,17 @@ class SelfForcingMethod(DMD2Method):
     def check_sample_videos(self) -> None:
         """The sample videos stream with this method's own sampler (`sample`), at any steps."""
 
+    def student_steps_record(self) -> dict[str, Any]:
+        return {**super().student_steps_record(), "student_sample_type": self._sample_type, "context_noise": self._context_noise}
+
     def write_final_files(self, output_dir: Any) -> None:
         """DMD2's (`student_steps.json`, and `scheduler/` where a stock scheduler steps the student's
         steps), and `self_forcing.json`: how the student streams (chunk size, stepping, context noise)."""
-        import json
-        import os
         from pathlib import Path
 
         super().write_final_files(output_dir)
         info = {"chunk_size": self.block_size, "student_sample_type": self._sample_type, "context_noise": self._context_noise}
-        path = Path(output_dir) / "self_forcing.json"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(info, indent=1) + "\n")
-        os.replace(tmp, path)
+        write_json_atomically(Path(output_dir) / "self_forcing.json", info)
 
     # ---- state saved with checkpoints (per rank) ----
     def state_tensors(self) -> dict[str, torch.Tensor]:
