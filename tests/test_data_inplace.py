@@ -394,6 +394,48 @@ def test_prefetcher_reads_ahead_on_its_thread_in_order():
     prefetcher.close()
 
 
+def test_the_prefetch_thread_computes_with_one_torch_thread_and_leaves_the_step_its_own():
+    """torch's thread count is per thread (OpenMP): the prefetch thread's is BatchPrefetcher.threads,
+    the training thread's stays what it was."""
+    from fv_accel.data.loader import BatchPrefetcher
+
+    before = torch.get_num_threads()
+    seen = []
+
+    def source():
+        seen.append(torch.get_num_threads())
+        yield {"vae_latent": torch.zeros(1)}
+
+    prefetcher = BatchPrefetcher(source(), torch.device("cpu"))
+    list(prefetcher)
+    prefetcher.close()
+    assert BatchPrefetcher.threads == 1 and seen == [1]
+    assert torch.get_num_threads() == before
+
+
+def test_binary_values_are_sliced_without_a_copy_from_every_binary_layout():
+    """parquet_rows.binary_value over binary, large binary and fixed-size binary columns, with nulls,
+    empty values, several chunks and a sliced chunk: the values of column[r], and a slice of the
+    column's own data buffer (no copy)."""
+    from fv_accel.data.parquet_rows import binary_value
+
+    values = [b"abc", None, b"", b"0123456789" * 100, b"xy"]
+    for typ in (pa.binary(), pa.large_binary()):
+        whole = pa.array(values, type=typ)
+        column = pa.chunked_array([whole.slice(0, 2), whole.slice(2)])
+        for r, want in enumerate(values):
+            got = binary_value(column, r)
+            assert (got is None) if want is None else got.to_pybytes() == want, (typ, r)
+        big = binary_value(column, 3)
+        assert big.address == whole.buffers()[2].address + len(b"abc")
+    fixed = pa.chunked_array([pa.array([b"ab", None, b"cd", b"ef"], type=pa.binary(2)).slice(1)])
+    assert [None if v is None else v.to_pybytes() for v in (binary_value(fixed, r) for r in range(3))] == [None, b"cd", b"ef"]
+    with pytest.raises(IndexError):
+        binary_value(fixed, 3)
+    empty = pa.chunked_array([pa.array([b"", b""], type=pa.binary())])
+    assert binary_value(empty, 1).to_pybytes() == b""
+
+
 def test_prefetcher_raises_the_loaders_error_at_its_turn_and_close_stops_the_thread():
     from fv_accel.data.loader import BatchPrefetcher
 

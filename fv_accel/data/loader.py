@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,10 +243,13 @@ class BatchPrefetcher:
     the loader raises (a row it cannot read) is raised by `next` at that batch's turn, as it is."""
 
     _END = object()
+    # Intra-op threads of the prefetch thread's torch calls (dtype casts, the finite check). One, as
+    # in DataLoader's worker processes: with more, each of its ops starts its own OpenMP team, whose
+    # threads then spin on the cores the training step's threads compute on.
+    threads: Optional[int] = 1
 
     def __init__(self, batches: Any, device: torch.device, *, depth: int = 1):
         import queue
-        import threading
 
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
@@ -278,6 +282,9 @@ class BatchPrefetcher:
         return False
 
     def _fill(self, source: Iterator[dict]) -> None:
+        if self.threads is not None:
+            # torch's thread count is per calling thread under OpenMP: this one only.
+            torch.set_num_threads(self.threads)
         try:
             for batch in source:
                 if not self._put(self._move(batch)):

@@ -12,6 +12,7 @@ import os
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -29,6 +30,27 @@ def unreadable(path: str, err: BaseException) -> ValueError:
 
 def _is_binary(t: pa.DataType) -> bool:
     return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
+
+
+def binary_value(column: pa.ChunkedArray, r: int) -> Optional[pa.Buffer]:
+    """Value `r` of a binary, large binary or fixed-size binary column as a zero-copy slice of the
+    column's data buffer (None where null). `column[r]` would copy the value into a new scalar:
+    8 MB for a Wan text embedding."""
+    for chunk in column.chunks:
+        if r >= len(chunk):
+            r -= len(chunk)
+            continue
+        i = chunk.offset + r
+        validity, *rest = chunk.buffers()
+        if validity is not None and chunk.null_count and not (validity[i // 8] >> (i % 8)) & 1:
+            return None
+        if pa.types.is_fixed_size_binary(chunk.type):
+            width = chunk.type.byte_width
+            return rest[0].slice(i * width, width)
+        offsets = np.frombuffer(rest[0], dtype=np.int64 if pa.types.is_large_binary(chunk.type) else np.int32)
+        start, end = int(offsets[i]), int(offsets[i + 1])
+        return rest[1].slice(start, end - start) if rest[1] is not None else pa.py_buffer(b"")
+    raise IndexError(f"row {r} of a column of {len(column)} rows")
 
 
 class ParquetRows:
@@ -165,7 +187,9 @@ class ParquetRows:
         table = self._groups.get((k, g))
         if table is None:
             try:
-                table = self._file(k).read_row_group(g)
+                # On this thread alone: the read runs behind the training step (prefetch thread or
+                # loader worker), where Arrow's thread pool would only take cores from the step.
+                table = self._file(k).read_row_group(g, use_threads=False)
             except Exception as err:  # noqa: BLE001
                 raise unreadable(self.files[k], err) from None
             self._groups[(k, g)] = table
@@ -186,9 +210,8 @@ class ParquetRows:
         out: dict[str, Any] = {}
         for name in table.column_names:
             column = table.column(name)
-            value = column[r]
             if _is_binary(column.type):
-                out[name] = value.as_buffer() if value.is_valid else None
+                out[name] = binary_value(column, r)
             else:
-                out[name] = value.as_py()
+                out[name] = column[r].as_py()
         return out
