@@ -394,22 +394,31 @@ def test_prefetcher_reads_ahead_on_its_thread_in_order():
     prefetcher.close()
 
 
-def test_the_prefetch_thread_computes_with_one_torch_thread_and_leaves_the_step_its_own():
+def test_the_prefetch_thread_computes_with_one_torch_thread_and_starts_no_openmp_team():
     """torch's thread count is per thread (OpenMP): the prefetch thread's is BatchPrefetcher.threads,
-    the training thread's stays what it was."""
+    the training thread's stays what it was. A parallel op there starts no OpenMP team of its own:
+    the only thread it adds is its own (with a team, libgomp counts more threads than cores and makes
+    the step's threads sleep between ops instead of spinning)."""
     from fv_accel.data.loader import BatchPrefetcher
 
     before = torch.get_num_threads()
+    big = torch.randn(1 << 22)
+    big.sum()  # the training thread's own team exists before the count
+    tasks = Path("/proc/self/task")
+    threads_before = len(list(tasks.iterdir())) if tasks.is_dir() else None
     seen = []
 
     def source():
         seen.append(torch.get_num_threads())
+        big.mul(2.0).sum()  # parallel over the training thread's count of threads, were it that
+        if threads_before is not None:
+            seen.append(len(list(tasks.iterdir())) - threads_before)  # this thread, and a team's workers
         yield {"vae_latent": torch.zeros(1)}
 
     prefetcher = BatchPrefetcher(source(), torch.device("cpu"))
     list(prefetcher)
     prefetcher.close()
-    assert BatchPrefetcher.threads == 1 and seen == [1]
+    assert seen == ([1, 1] if threads_before is not None else [1])
     assert torch.get_num_threads() == before
 
 
