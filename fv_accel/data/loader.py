@@ -247,7 +247,7 @@ class BatchPrefetcher:
     # in DataLoader's worker processes. With more, this thread starts an OpenMP team of its own; libgomp
     # then manages more threads than there are cores and cuts every team's spin-wait short, so the
     # training step's threads go to sleep and are woken between ops (on 2 cores: ~2,000 voluntary
-    # context switches a step instead of ~40, and ~5% of the step's wall time).
+    # context switches a step instead of ~40 at the small benchmark size).
     threads: Optional[int] = 1
 
     def __init__(self, batches: Any, device: torch.device, *, depth: int = 1):
