@@ -396,7 +396,8 @@ def test_prefetcher_reads_ahead_on_its_thread_in_order():
 
 def test_the_prefetch_thread_computes_with_one_torch_thread_and_starts_no_openmp_team():
     """torch's thread count is per thread (OpenMP): the prefetch thread's is BatchPrefetcher.threads,
-    the training thread's stays what it was. A parallel op there starts no OpenMP team of its own:
+    and on Linux its nice value is raised by BatchPrefetcher.nice; the training thread's stay what
+    they were. A parallel op there starts no OpenMP team of its own:
     the only thread it adds is its own (with a team, libgomp counts more threads than cores and makes
     the step's threads sleep between ops instead of spinning)."""
     from fv_accel.data.loader import BatchPrefetcher
@@ -407,9 +408,12 @@ def test_the_prefetch_thread_computes_with_one_torch_thread_and_starts_no_openmp
     tasks = Path("/proc/self/task")
     threads_before = len(list(tasks.iterdir())) if tasks.is_dir() else None
     seen = []
+    nice = {"training": os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None}
 
     def source():
         seen.append(torch.get_num_threads())
+        if hasattr(os, "getpriority"):
+            nice["prefetch"] = os.getpriority(os.PRIO_PROCESS, 0)
         big.mul(2.0).sum()  # parallel over the training thread's count of threads, were it that
         if threads_before is not None:
             seen.append(len(list(tasks.iterdir())) - threads_before)  # this thread, and a team's workers
@@ -420,6 +424,11 @@ def test_the_prefetch_thread_computes_with_one_torch_thread_and_starts_no_openmp
     prefetcher.close()
     assert seen == ([1, 1] if threads_before is not None else [1])
     assert torch.get_num_threads() == before
+    if sys.platform.startswith("linux"):
+        # Its own nice value is raised by BatchPrefetcher.nice (capped at 19); the training thread's is not.
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert own == nice["training"]
+        assert BatchPrefetcher.nice > 0 and nice["prefetch"] == min(19, own + BatchPrefetcher.nice)
 
 
 def test_binary_values_are_sliced_without_a_copy_from_every_binary_layout():
