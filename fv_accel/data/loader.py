@@ -250,7 +250,7 @@ class BatchPrefetcher:
     # then manages more threads than there are cores and cuts every team's spin-wait short, so the
     # training step's threads go to sleep and are woken between ops (on 2 cores: ~2,000 voluntary
     # context switches a step instead of ~40 at the small benchmark size).
-    threads: Optional[int] = 1
+    threads: int = 1
     # Added to the thread's nice value (Linux): where the step's threads use every core (training on
     # the CPU), the scheduler runs the reading in their gaps rather than in the middle of their ops.
     # Small benchmark, LoRA, 2 cores: the forward 19 ms longer than a bare loop's at nice 0, 7 ms at
@@ -291,9 +291,7 @@ class BatchPrefetcher:
         return False
 
     def _fill(self, source: Iterator[dict]) -> None:
-        if self.threads is not None:
-            # torch's thread count is per calling thread under OpenMP: this one only.
-            torch.set_num_threads(self.threads)
+        torch.set_num_threads(self.threads)  # per calling thread under OpenMP: this one only
         if self.nice and sys.platform.startswith("linux"):
             # Linux keeps a nice value per thread (elsewhere the id could name another process).
             try:
