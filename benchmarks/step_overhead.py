@@ -69,6 +69,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--dmd2", action="store_true",
                    help="also a DMD2-shaped step (three models, two optimizers): our DMD2 method against a bare loop of the same math")
     p.add_argument("--dmd2-rounds", type=int, default=None, help="rounds of the DMD2 pair (default: --rounds)")
+    p.add_argument("--data-cache-gb", type=float, default=None,
+                   help="our runs' training.data.cache_gb (default: the recipe's; 0 reads every row from its file each time)")
     p.add_argument("--quick", action="store_true", help="tiny size, 2 rounds of 2 steps: a smoke test")
     p.add_argument("--out", type=Path, default=C.RESULTS_DIR, help="where the JSON and Markdown results go")
     p.add_argument("--work-dir", type=Path, default=C.WORK_DIR, help="datasets and scratch run folders")
@@ -82,12 +84,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 class Variants:
     """The three loops of one size, built once and kept alive for the interleaved rounds."""
 
-    def __init__(self, size: C.BenchSize, data_path: str, scratch: Path, *, phases: bool):
+    def __init__(self, size: C.BenchSize, data_path: str, scratch: Path, *, phases: bool, data_cache_gb: Optional[float] = None):
         self.size = size
         self.ours: dict[str, C.OursRunner] = {}
         acc = None
         for name in OURS:
-            extra = LORA_OVERRIDES if name.endswith("_lora") else {}
+            extra = dict(LORA_OVERRIDES) if name.endswith("_lora") else {}
+            if data_cache_gb is not None:
+                extra["training.data.cache_gb"] = data_cache_gb
             overrides = C.bench_overrides(scratch / name, data_path, METHOD_OF[name], **extra)
             self.ours[name] = C.OursRunner(size.recipe, overrides, accelerator=acc, phases=phases)
             acc = self.ours[name].accelerator  # one Accelerator for all runs
@@ -116,7 +120,7 @@ def measure_size(size: C.BenchSize, args: argparse.Namespace, scratch: Path, on_
     print(f"[{size.name}] building the three loops ({size.describe()}; data {data_kind})", flush=True)
     t_build = time.perf_counter()
     # Phase times need the host to wait for the device; on CUDA only whole steps are timed.
-    v = Variants(size, data_path, scratch, phases=not torch.cuda.is_available())
+    v = Variants(size, data_path, scratch, phases=not torch.cuda.is_available(), data_cache_gb=args.data_cache_gb)
     build_s = time.perf_counter() - t_build
     on_cuda = v.accelerator.device.type == "cuda"
 
@@ -137,6 +141,7 @@ def measure_size(size: C.BenchSize, args: argparse.Namespace, scratch: Path, on_
             "batch_size": size.batch_size,
             "tokens_per_step": size.batch_size * size.tokens_per_sample,
             "data": data_kind,
+            "data_cache_gb": v.ours["sft"].run.config.training.data.cache_gb,
             "device": str(v.accelerator.device),
             "mixed_precision": v.accelerator.mixed_precision,
             "gradient_checkpointing": v.ours["sft"].run.config.training.model.enable_gradient_checkpointing_type,
@@ -445,6 +450,11 @@ def to_markdown(payload: dict) -> str:
             for n in VARIANTS
         )
         lines.append(f"- {res['size']}: {extra}")
+        if res.get("data_cache_gb") is not None:
+            lines.append(
+                f"- {res['size']}: our runs' data cache (training.data.cache_gb) {res['data_cache_gb']:g} GiB"
+                + (": rows read once, later epochs from memory" if res["data_cache_gb"] > 0 else ": every row read from its file each time")
+            )
         waits = res["trainer_data_wait_s"]
         lines.append(
             f"- {res['size']}: our step waited "

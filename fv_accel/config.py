@@ -210,6 +210,10 @@ class DataConfig:
     # and in the held-out loss. A pipeline that loads the result takes the same number as its
     # `max_sequence_length` (512 is the default of Wan's and SkyReels-V2's pipelines).
     text_max_length: int = 512
+    # Decoded rows kept in memory, per process, up to this many GiB of tensors (0: none), so that later
+    # epochs do not read and decode them again (fv_accel/data/loader.py ItemCache). Rows past the
+    # budget are read from their files each time.
+    cache_gb: float = 1.0
     # Extra datasets mixed in with weights: [{data_path: ..., weight: ...}].
     mix: list[dict] = field(default_factory=list)
     # Tiny built-in dataset (data_path: tiny).
@@ -229,6 +233,8 @@ class DataConfig:
             raise Invalid("train_batch_size", self.train_batch_size, "an integer >= 1")
         if self.text_max_length < 1:
             raise Invalid("text_max_length", self.text_max_length, "an integer >= 1")
+        if not (isinstance(self.cache_gb, (int, float)) and not isinstance(self.cache_gb, bool) and self.cache_gb >= 0):
+            raise Invalid("cache_gb", self.cache_gb, "a number of GiB >= 0 (0: no data cache)")
         if self.dataloader_num_workers < 0:
             raise Invalid("dataloader_num_workers", self.dataloader_num_workers, "an integer >= 0")
         if not 0.0 <= self.training_cfg_rate <= 1.0:

@@ -496,3 +496,101 @@ def test_a_batch_of_one_is_the_items_tensors_without_a_copy():
         assert batch[key].shape == (1, *item[key].shape) and batch[key].data_ptr() == item[key].data_ptr()
     two = collate([item, dict(item, sample_index=4)])
     assert torch.equal(two["vae_latent"][1], item["vae_latent"]) and two["vae_latent"].data_ptr() != item["vae_latent"].data_ptr()
+
+def _count_row_reads(loader: TrainLoader) -> list[int]:
+    """Wrap every dataset part's row read; returns the list the indices read are appended to."""
+    reads: list[int] = []
+    for part in getattr(loader.dataset, "parts", [loader.dataset]):
+        original = part.rows.row
+
+        def row(index, original=original, offset=part.global_offset):
+            reads.append(offset + int(index))
+            return original(index)
+
+        part.rows.row = row
+    return reads
+
+
+def test_the_data_cache_reads_each_row_once_and_gives_the_files_values(tmp_path):
+    """training.data.cache_gb: over three epochs of a mix with caption dropout and the extra text
+    columns, the batches equal those read from the files every time, and each row is read once."""
+    from fv_accel.config import default_recipe, load_config
+
+    def extra(k, g):
+        out = dict(tensor_columns("pooled_text_embedding", torch.randn(24, generator=g)))
+        out.update(tensor_columns("text_embedding_2", torch.randn(4, 12, generator=g)))
+        return out
+
+    a = tmp_path / "a"
+    _write(a / "data.parquet", _rows([((2, 4, 4), 6), ((3, 4, 6), 4)], seed=11, extra=extra))
+    write_unconditional_text(a, {"text_embedding": torch.randn(2, 32), "pooled_text_embedding": torch.randn(24),
+                                 "text_embedding_2": torch.randn(1, 12)}, prompt="")
+    b = tmp_path / "b"
+    _write(b / "data.parquet", _rows([((2, 4, 4), 4)], seed=12, start=10, extra=extra))
+    write_unconditional_text(b, {"text_embedding": torch.randn(2, 32), "pooled_text_embedding": torch.randn(24),
+                                 "text_embedding_2": torch.randn(1, 12)}, prompt="")
+
+    def loader(cache_gb):
+        cfg = load_config(default_recipe("finetune"), {
+            "training.data.data_path": str(a), "training.data.mix": [{"data_path": str(b), "weight": 0.5}],
+            "training.data.training_cfg_rate": 0.5, "training.data.seed": 3, "training.data.cache_gb": cache_gb,
+        })
+        return build_train_loader(cfg, world_size=1, rank=0)
+
+    cached, plain = loader(1.0), loader(0)
+    assert cached.dataset.parts[0].cache is cached.dataset.parts[1].cache and plain.dataset.parts[0].cache is None
+    cached_reads, plain_reads = _count_row_reads(cached), _count_row_reads(plain)
+    steps = sum(len(cached.sampler.epoch_groups(e)) for e in range(3))
+    dropped = 0
+    for x, y in zip(islice(iter(cached), steps), islice(iter(plain), steps), strict=True):
+        _same_batch(x, y)
+        dropped += int((x["text_attention_mask"].sum(-1) == 2).sum())
+    assert int(x["epoch"][0]) == 2 and dropped > 0  # three epochs, some captions dropped
+    assert len(plain_reads) == 2 * steps and sorted(cached_reads) == sorted(set(plain_reads)) == list(range(14))
+    stats = cached.dataset.parts[0].cache.stats()
+    assert stats["rows"] == 14 and stats["hits"] == 2 * steps - 14 and stats["misses"] == 14 and stats["changed"] == 0
+    # The bytes counted are those of the kept rows' tensors (the padded text and the latent the largest).
+    row_bytes = [sum(t.untyped_storage().nbytes() for t in part._decode(i).values() if isinstance(t, torch.Tensor))
+                 for part in plain.dataset.parts for i in range(len(part))]
+    assert stats["bytes"] == sum(row_bytes)
+
+
+def test_the_data_cache_keeps_rows_within_its_budget_and_rereads_a_row_changed_in_place(tmp_path):
+    from fv_accel.data.loader import ItemCache
+
+    data = _nested_dataset(tmp_path / "d", seed=4, shapes_counts=[((2, 4, 4), 9)], shards=3)
+    reference = LatentDataset(data)
+    one = sum(t.untyped_storage().nbytes() for t in reference[(0, 0, 0)].values() if isinstance(t, torch.Tensor))
+    ds = LatentDataset(data, cache=ItemCache(int(one * 3.5)))  # room for three rows of this size
+    reads = []
+    original = ds.rows.row
+    ds.rows.row = lambda index: (reads.append(int(index)), original(index))[1]
+    for epoch in range(3):
+        for i in range(9):
+            _same_batch(ds[(i, epoch, i)], reference[(i, epoch, i)])
+    assert len(ds.cache) == 3 and ds.cache.bytes <= ds.cache.max_bytes and ds.cache.full
+    assert reads == list(range(9)) + list(range(3, 9)) * 2  # rows 0-2 kept, the others read each time
+    # A consumer that changes a kept tensor in place (a batch of one is a view of it) does not change
+    # what the next draw of that row holds: the row is read from its file again.
+    batch = collate([ds[(1, 3, 0)]])
+    batch["vae_latent"].mul_(2)
+    again = ds[(1, 4, 0)]
+    assert torch.equal(again["vae_latent"], reference[(1, 0, 0)]["vae_latent"]) and ds.cache.changed == 1
+    assert reads[-1] == 1 and len(ds.cache) == 3
+    # Not shared with another process: a pickled cache (a spawned DataLoader worker's) holds nothing,
+    # and a process other than its maker's neither keeps nor finds rows.
+    import pickle
+
+    copy_ = pickle.loads(pickle.dumps(ds.cache))
+    assert len(copy_) == 0 and copy_.get((ds.data_path, 1)) is None
+    copy_._pid = -1
+    assert copy_.put((ds.data_path, 1), reference[(1, 0, 0)]) is False and len(copy_) == 0
+
+
+def test_the_data_cache_budget_is_checked():
+    from fv_accel.config import ConfigError, default_recipe, load_config
+
+    for bad in (-1, "lots", True):
+        with pytest.raises(ConfigError, match="cache_gb"):
+            load_config(default_recipe("finetune"), {"training.data.cache_gb": bad})
+    assert load_config(default_recipe("finetune"), {"training.data.cache_gb": 0}).training.data.cache_gb == 0

@@ -44,6 +44,9 @@ from fv_accel.seeding import sample_generator_seed
 logger = logging.getLogger(__name__)
 
 TEXT_MAX_LENGTH = 512
+# An item's text columns other than the main text embedding and its mask (a family's second encoder,
+# pooled text, LTX-2's audio text), which a caption dropout replaces too.
+EXTRA_TEXT_KEYS = ("pooled_text_embedding", "text_embedding_2", "text_attention_mask_2", "audio_text_embedding")
 # Columns read whole when a dataset is opened (the rest is read by row group when a row is asked for).
 SMALL_COLUMNS = ("id", "vae_latent_shape", "vae_latent_dtype", "text_embedding_shape", "text_embedding_dtype")
 
@@ -58,7 +61,15 @@ class LatentDataset(Dataset):
     A text-only dataset (rows without the VAE latent columns, `preprocessed_data_type` 'text_only')
     loads too: its items have the text columns and no `vae_latent`, and its rows are one bucket."""
 
-    def __init__(self, data_path: str, *, text_max_length: int = TEXT_MAX_LENGTH, cfg_rate: float = 0.0, seed: int = 0):
+    def __init__(
+        self,
+        data_path: str,
+        *,
+        text_max_length: int = TEXT_MAX_LENGTH,
+        cfg_rate: float = 0.0,
+        seed: int = 0,
+        cache: Optional["ItemCache"] = None,
+    ):
         from fv_accel.data import checks
         from fv_accel.data.parquet_rows import ParquetRows
 
@@ -103,6 +114,8 @@ class LatentDataset(Dataset):
         self.unconditional = self._unconditional_text() if self.cfg_rate > 0 else None
         # Index of this dataset's first row in a mix, so mixed datasets draw different dropouts.
         self.global_offset = 0
+        # Decoded rows kept in memory (ItemCache); None reads every row from its file each time.
+        self.cache = cache
 
     def _unconditional_text(self) -> dict[str, torch.Tensor]:
         """The dataset's unconditional text columns (schema.UNCONDITIONAL_FILE), one for each text
@@ -151,8 +164,30 @@ class LatentDataset(Dataset):
 
     def __getitem__(self, key: Any) -> dict:
         index, epoch, position = key if isinstance(key, tuple) else (key, 0, 0)
-        row = self.rows.row(int(index))
-        source = self.describe(int(index))
+        index = int(index)
+        decoded = self.cache.get((self.data_path, index)) if self.cache is not None else None
+        if decoded is None:
+            decoded = self._decode(index)
+            if self.cache is not None:
+                self.cache.put((self.data_path, index), decoded)
+        item = dict(decoded)
+        if self.cfg_rate > 0:
+            # CFG dropout keyed by (seed, epoch, index): reproducible and independent of the split.
+            # Every text column of the row becomes the unconditional text's, with its mask.
+            g = torch.Generator().manual_seed(sample_generator_seed(self.seed + 7919, epoch, index + self.global_offset))
+            if torch.rand((), generator=g).item() < self.cfg_rate:
+                texts = {k: item[k] for k in EXTRA_TEXT_KEYS if k in item}
+                item["text_embedding"], item["text_attention_mask"], dropped = self._dropped_text(texts)
+                item.update(dropped)
+        item["epoch"] = int(epoch)
+        item["position"] = int(position)
+        return item
+
+    def _decode(self, index: int) -> dict:
+        """Row `index` read from its file and decoded: the item's tensors (float32, the text padded to
+        `text_max_length`), caption, source and non-finite flag, before caption dropout."""
+        row = self.rows.row(index)
+        source = self.describe(index)
         where = f"{source}: "
         latent = None if self.text_only else _stored_tensor(row, "vae_latent", where).float()
         text = _stored_tensor(row, "text_embedding", where).float()
@@ -175,23 +210,14 @@ class LatentDataset(Dataset):
             audio_text = read_tensor_column(row, "audio_text_embedding", where=where)
             texts["audio_text_embedding"] = pad_text(audio_text.float(), self.text_max_length)[0]
         texts = {k: v.float() if k != "text_attention_mask_2" else v for k, v in texts.items() if v is not None}
-        if self.cfg_rate > 0:
-            # CFG dropout keyed by (seed, epoch, index): reproducible and independent of the split.
-            # Every text column of the row becomes the unconditional text's, with its mask.
-            g = torch.Generator().manual_seed(
-                sample_generator_seed(self.seed + 7919, epoch, int(index) + self.global_offset)
-            )
-            if torch.rand((), generator=g).item() < self.cfg_rate:
-                padded, mask, texts = self._dropped_text(texts)
         item = {
             "text_embedding": padded,
             "text_attention_mask": mask,
             "caption": row.get("caption", "") or "",
-            "sample_index": int(index),
-            "epoch": int(epoch),
-            "position": int(position),
+            "sample_index": index,
             # Named in the trainer's warning when a step is skipped for a non-finite loss. A sum is
-            # non-finite when any value is NaN or infinite, and costs one pass over the tensor.
+            # non-finite when any value is NaN or infinite, and costs one pass over the tensor. The
+            # row's own data is checked (a caption dropout does not hide it).
             "source": source,
             "nonfinite": not all(bool(torch.isfinite(t.sum())) for t in (latent, text, *texts.values()) if t is not None),
         }
@@ -226,6 +252,95 @@ def _stored_tensor(row: dict, name: str, where: str) -> torch.Tensor:
     if raw is None:
         raise ValueError(f"{where}{name}_bytes is missing (null)")
     return bytes_to_tensor(raw, row[f"{name}_shape"], row[f"{name}_dtype"], where=f"{where}{name}_bytes: ")
+
+
+class ItemCache:
+    """Decoded rows kept in memory (`training.data.cache_gb`), so that a row read once is not read and
+    decoded again in later epochs: a small dataset trained for many epochs then reads each row once.
+
+    Rows are kept as they come until their tensors fill `max_bytes`; later rows are read from their
+    files each time (no eviction: with shuffled epochs an LRU would evict every row before its next
+    use). A kept row's tensors are handed out as they are, not copied. A consumer that changes one in
+    place (its version counter moves) gets the row read again from its file, so an item always holds
+    the file's values; that is logged once. Only the process that made the cache uses it (a
+    DataLoader worker reads its rows from the files)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max(0, int(max_bytes))
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.changed = 0  # kept rows found changed in place, and read again
+        self.full = False
+        self._items: dict[Any, tuple[dict, list[tuple[torch.Tensor, int]], int]] = {}
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.update(_items={}, _lock=None, bytes=0, full=False)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _usable(self) -> bool:
+        return self.max_bytes > 0 and os.getpid() == self._pid
+
+    def get(self, key: Any) -> Optional[dict]:
+        """The kept item of `key` (a new dict over the kept tensors), or None."""
+        if not self._usable():
+            return None
+        with self._lock:
+            entry = self._items.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            item, versions, size = entry
+            if any(t._version != v for t, v in versions):
+                del self._items[key]
+                self.bytes -= size
+                self.changed += 1
+                if self.changed == 1:
+                    logger.warning(
+                        "training data: a batch tensor of row %s was changed in place after its step; the data cache "
+                        "reads such rows from their files again (an in-place op on batch tensors costs that read)",
+                        key[-1] if isinstance(key, tuple) else key,
+                    )
+                return None
+            self.hits += 1
+            return dict(item)
+
+    def put(self, key: Any, item: dict) -> bool:
+        """Keep `item` (its tensors as they are) while the budget allows; True when kept."""
+        if not self._usable():
+            return False
+        tensors = [v for v in item.values() if isinstance(v, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        size = sum(storages.values())
+        with self._lock:
+            if key in self._items:
+                return True
+            if self.bytes + size > self.max_bytes:
+                if not self.full:
+                    self.full = True
+                    logger.info(
+                        "training data: the data cache is full at %d rows (%.2f GiB, training.data.cache_gb %.3g); "
+                        "the other rows are read from their files each time they are drawn",
+                        len(self._items), self.bytes / 2**30, self.max_bytes / 2**30,
+                    )
+                return False
+            self._items[key] = (dict(item), [(t, t._version) for t in tensors], size)
+            self.bytes += size
+            return True
+
+    def stats(self) -> dict:
+        """Rows kept, their bytes, hits and misses so far, rows found changed in place."""
+        return {"rows": len(self._items), "bytes": self.bytes, "hits": self.hits, "misses": self.misses, "changed": self.changed}
 
 
 # Batch keys read on the host (sampler position, per-sample generator seeds): never moved.
@@ -757,10 +872,14 @@ def build_train_loader(
     """`exclude_indices`: rows of the (first) dataset the loader must never yield (a held-out split)."""
     data = cfg.training.data
     path = data_path or data.data_path
-    dataset = LatentDataset(path, text_max_length=data.text_max_length, cfg_rate=data.training_cfg_rate, seed=data.seed)
+    # One budget for the run's datasets (a mix's parts share it).
+    cache = ItemCache(int(data.cache_gb * 2**30)) if data.cache_gb > 0 else None
+    dataset = LatentDataset(
+        path, text_max_length=data.text_max_length, cfg_rate=data.training_cfg_rate, seed=data.seed, cache=cache
+    )
     weights = None
     if data.mix:
-        dataset, weights = _mix_datasets(dataset, data)
+        dataset, weights = _mix_datasets(dataset, data, cache)
     off_shape = shape_filter_exclusions(dataset, data, log=rank == 0)
     if off_shape:
         exclude_indices = sorted(set(exclude_indices or ()) | set(off_shape))
@@ -906,9 +1025,11 @@ class ConcatLatentDataset(Dataset):
         return item
 
 
-def _mix_datasets(first: LatentDataset, data) -> tuple[ConcatLatentDataset, list[float]]:
+def _mix_datasets(first: LatentDataset, data, cache: Optional[ItemCache] = None) -> tuple[ConcatLatentDataset, list[float]]:
     parts = [first] + [
-        LatentDataset(m["data_path"], text_max_length=data.text_max_length, cfg_rate=data.training_cfg_rate, seed=data.seed)
+        LatentDataset(
+            m["data_path"], text_max_length=data.text_max_length, cfg_rate=data.training_cfg_rate, seed=data.seed, cache=cache
+        )
         for m in data.mix
     ]
     # A dataset's weight is its share of the draws, spread over its samples.
