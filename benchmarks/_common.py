@@ -424,7 +424,9 @@ class BareLoop:
     (`torch.nn.utils.clip_grad_norm_` to `callbacks.grad_clip.max_grad_norm`, when > 0), the recipe's
     optimizer step as our run builds it (`build_optimizer`; the benchmark recipes': AdamW, in the
     kernel `implementation: auto` picks, fused where torch has it); nothing else (no logging, no
-    non-finite check, one batch kept on the device). `lora`: the recipe's peft LoRA
+    non-finite check; its batches kept on the device: `batch` is one batch, or a list of batches the
+    steps take in turn, e.g. one epoch of the benchmark dataset, so that it trains on the same rows as
+    our loop rather than on one batch kept hot in the CPU caches). `lora`: the recipe's peft LoRA
     adapter on the frozen model, trained alone. On CUDA each step ends with a synchronize so that
     per-step times are real (our Trainer syncs once a step too, in its non-finite check)."""
 
@@ -451,8 +453,12 @@ class BareLoop:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg, self.params)
         self.max_norm = float(cfg.callbacks.grad_clip.max_grad_norm)
-        self.x0 = batch["vae_latent"].to(device=device, dtype=torch.float32)
-        self.text = batch["text_embedding"].to(device=device, dtype=torch.float32)
+        batches = batch if isinstance(batch, list) else [batch]
+        self.data = [
+            (b["vae_latent"].to(device=device, dtype=torch.float32), b["text_embedding"].to(device=device, dtype=torch.float32))
+            for b in batches
+        ]
+        self.next_batch = 0
         # The bare loop trains the Wan transformer: the Wan family's training shift.
         from fv_accel.models.wan import WanStudent
 
@@ -471,14 +477,15 @@ class BareLoop:
         loss.backward()
 
     def step(self) -> float:
-        x0, g = self.x0, self.generator
+        (x0, text), g = self.data[self.next_batch % len(self.data)], self.generator
+        self.next_batch += 1
         noise = torch.randn(x0.shape, generator=g, device=self.device)
         u = torch.rand(x0.shape[0], generator=g, device=self.device)
         sigma = self.shift * u / (1 + (self.shift - 1) * u)
         s = sigma.view(-1, 1, 1, 1, 1)
         noisy = (1 - s) * x0 + s * noise
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None):
-            pred = self.model(hidden_states=noisy, timestep=sigma * 1000, encoder_hidden_states=self.text, return_dict=False)[0]
+            pred = self.model(hidden_states=noisy, timestep=sigma * 1000, encoder_hidden_states=text, return_dict=False)[0]
         loss = (pred.float() - (noise - x0)).pow(2).mean()
         self.backward(loss)
         self.clip()
@@ -631,10 +638,18 @@ class BareDMD2Loop:
 
 def first_batch(data_path: str, cfg: Any) -> dict:
     """One collated batch of the benchmark dataset, as our loader builds it (for the bare loop)."""
+    return epoch_batches(data_path, cfg)[0]
+
+
+def epoch_batches(data_path: str, cfg: Any) -> list[dict]:
+    """The first epoch of the benchmark dataset, collated as our loader builds it and in its order
+    (a bare loop then trains on the rows ours does)."""
+    from itertools import islice
+
     from fv_accel.data.loader import build_train_loader
 
     loader = build_train_loader(cfg, world_size=1, rank=0, data_path=data_path)
-    return next(iter(loader))
+    return list(islice(iter(loader), loader.sampler.steps_per_epoch()))
 
 
 def model_flops_per_step(transformer: torch.nn.Module, size: BenchSize) -> float:

@@ -60,6 +60,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     data_path, data_kind = C.prepare_dataset(args.work_dir, size, args.rows)
     extra = {} if args.num_workers is None else {"training.data.dataloader_num_workers": args.num_workers}
+    # The rate of reading rows from the files: no row comes from the in-memory data cache.
+    extra["training.data.cache_gb"] = 0
     loader_rates, model_rates, ratios = [], [], []
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="data_throughput-") as scratch:
         overrides = C.bench_overrides(Path(scratch) / "sft", data_path, "finetune", **extra)

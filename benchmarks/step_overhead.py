@@ -1,7 +1,7 @@
 """Does the framework cost anything over the model? Step time of our FineTuneMethod and
 DiffusionForcingSFTMethod through the real Trainer and Accelerator, against a bare PyTorch loop
-(noise, flow-matching loss, backward, AdamW step; nothing else) on the same Wan transformer, batch
-and optimizer.
+(noise, flow-matching loss, backward, AdamW step; nothing else) on the same Wan transformer, data
+(the dataset's rows in turn, kept in memory) and optimizer.
 
     python benchmarks/step_overhead.py                     # tiny and small sizes (CPU or GPU)
     python benchmarks/step_overhead.py --quick             # tiny only, a few steps (smoke test)
@@ -96,7 +96,7 @@ class Variants:
             self.ours[name] = C.OursRunner(size.recipe, overrides, accelerator=acc, phases=phases)
             acc = self.ours[name].accelerator  # one Accelerator for all runs
         self.accelerator = acc
-        batch = C.first_batch(data_path, self.ours["sft"].run.config)
+        batch = C.epoch_batches(data_path, self.ours["sft"].run.config)  # the rows ours trains on, in turn
         self.bare = {
             "bare": C.BareLoop(self.ours["sft"].run.config, batch, acc.device, acc.mixed_precision, phases=phases),
             "bare_lora": C.BareLoop(self.ours["sft_lora"].run.config, batch, acc.device, acc.mixed_precision, phases=phases, lora=True),
