@@ -638,7 +638,9 @@ class BareDMD2Loop:
 
 def first_batch(data_path: str, cfg: Any) -> dict:
     """One collated batch of the benchmark dataset, as our loader builds it (for the bare loop)."""
-    return epoch_batches(data_path, cfg)[0]
+    from fv_accel.data.loader import build_train_loader
+
+    return next(iter(build_train_loader(cfg, world_size=1, rank=0, data_path=data_path)))
 
 
 def epoch_batches(data_path: str, cfg: Any) -> list[dict]:

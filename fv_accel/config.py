@@ -233,8 +233,10 @@ class DataConfig:
             raise Invalid("train_batch_size", self.train_batch_size, "an integer >= 1")
         if self.text_max_length < 1:
             raise Invalid("text_max_length", self.text_max_length, "an integer >= 1")
-        if not (isinstance(self.cache_gb, (int, float)) and not isinstance(self.cache_gb, bool) and self.cache_gb >= 0):
-            raise Invalid("cache_gb", self.cache_gb, "a number of GiB >= 0 (0: no data cache)")
+        if not (
+            isinstance(self.cache_gb, (int, float)) and not isinstance(self.cache_gb, bool) and 0 <= self.cache_gb < float("inf")
+        ):
+            raise Invalid("cache_gb", self.cache_gb, "a finite number of GiB >= 0 (0: no data cache)")
         if self.dataloader_num_workers < 0:
             raise Invalid("dataloader_num_workers", self.dataloader_num_workers, "an integer >= 0")
         if not 0.0 <= self.training_cfg_rate <= 1.0:

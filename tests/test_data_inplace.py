@@ -497,6 +497,7 @@ def test_a_batch_of_one_is_the_items_tensors_without_a_copy():
     two = collate([item, dict(item, sample_index=4)])
     assert torch.equal(two["vae_latent"][1], item["vae_latent"]) and two["vae_latent"].data_ptr() != item["vae_latent"].data_ptr()
 
+
 def _count_row_reads(loader: TrainLoader) -> list[int]:
     """Wrap every dataset part's row read; returns the list the indices read are appended to."""
     reads: list[int] = []
@@ -590,7 +591,7 @@ def test_the_data_cache_keeps_rows_within_its_budget_and_rereads_a_row_changed_i
 def test_the_data_cache_budget_is_checked():
     from fv_accel.config import ConfigError, default_recipe, load_config
 
-    for bad in (-1, "lots", True):
+    for bad in (-1, "lots", True, float("inf")):
         with pytest.raises(ConfigError, match="cache_gb"):
             load_config(default_recipe("finetune"), {"training.data.cache_gb": bad})
     assert load_config(default_recipe("finetune"), {"training.data.cache_gb": 0}).training.data.cache_gb == 0

@@ -170,7 +170,7 @@ class LatentDataset(Dataset):
             decoded = self._decode(index)
             if self.cache is not None:
                 self.cache.put((self.data_path, index), decoded)
-        item = dict(decoded)
+        item = dict(decoded)  # the kept dict stays as decoded: dropout and the position go on a copy
         if self.cfg_rate > 0:
             # CFG dropout keyed by (seed, epoch, index): reproducible and independent of the split.
             # Every text column of the row becomes the unconditional text's, with its mask.
@@ -292,7 +292,7 @@ class ItemCache:
         return self.max_bytes > 0 and os.getpid() == self._pid
 
     def get(self, key: Any) -> Optional[dict]:
-        """The kept item of `key` (a new dict over the kept tensors), or None."""
+        """The kept item of `key`, or None; the caller copies the dict before changing it."""
         if not self._usable():
             return None
         with self._lock:
@@ -313,10 +313,11 @@ class ItemCache:
                     )
                 return None
             self.hits += 1
-            return dict(item)
+            return item
 
     def put(self, key: Any, item: dict) -> bool:
-        """Keep `item` (its tensors as they are) while the budget allows; True when kept."""
+        """Keep `item` (the dict and its tensors as they are: the caller does not change it afterwards)
+        while the budget allows; True when kept."""
         if not self._usable():
             return False
         tensors = [v for v in item.values() if isinstance(v, torch.Tensor)]
@@ -334,7 +335,7 @@ class ItemCache:
                         len(self._items), self.bytes / 2**30, self.max_bytes / 2**30,
                     )
                 return False
-            self._items[key] = (dict(item), [(t, t._version) for t in tensors], size)
+            self._items[key] = (item, [(t, t._version) for t in tensors], size)
             self.bytes += size
             return True
 
@@ -524,7 +525,7 @@ def collate(items: list[dict]) -> dict:
     }
     if shapes != {None}:
         batch["vae_latent"] = _stack([it["vae_latent"] for it in items])
-    for name in (*CONDITIONING_LAYOUTS, "pooled_text_embedding", "text_embedding_2", "text_attention_mask_2", "audio_text_embedding"):
+    for name in (*CONDITIONING_LAYOUTS, *EXTRA_TEXT_KEYS):
         holders = [it["sample_index"] for it in items if name in it]
         if len(holders) == len(items):
             batch[name] = torch.stack([it[name] for it in items])
