@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 
-from fv_accel.config import ConfigError, RunConfig, load_config
+from fv_accel.config import REWARD_METHODS, ConfigError, RunConfig, load_config, micro_batches_per_step
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,11 @@ def build_accelerator(cfg: RunConfig):
     trackers = [t for t in cfg.training.tracker.trackers if t != "none"]
     from fv_accel.trainer import stop_signals_blocked_in_new_threads
 
+    check_engine_takes_method(cfg, requested_engine())
     cpu, group_kwargs = cpu_process_group(requested_engine())
     with stop_signals_blocked_in_new_threads():  # the process group's threads never take SIGTERM
         acc = Accelerator(
-            gradient_accumulation_steps=cfg.training.loop.gradient_accumulation_steps,
+            gradient_accumulation_steps=micro_batches_per_step(cfg),
             mixed_precision=mp,
             cpu=cpu,
             log_with=trackers or None,
@@ -192,13 +193,32 @@ def ddp_kwargs(cfg: RunConfig) -> list:
     return [DistributedDataParallelKwargs(find_unused_parameters=True)]
 
 
+def check_engine_takes_method(cfg: RunConfig, engine: str) -> None:
+    """Reward training moves its old policy toward the student's weights between optimizer steps,
+    which DeepSpeed's engine (its optimizer, partitioned parameters and step inside backward) does
+    not expose: refused in one line before anything is built."""
+    if engine == "DEEPSPEED" and cfg.method.name in REWARD_METHODS:
+        raise ConfigError(
+            f"method.name {cfg.method.name}: not under DeepSpeed (the old policy follows the student's weights "
+            "between optimizer steps, which DeepSpeed's engine keeps to itself): launch with "
+            "accelerate_configs/ddp.yaml or fsdp2.yaml"
+        )
+
+
 def check_gradient_accumulation(acc, cfg: RunConfig) -> None:
     """The recipe's accumulation is the one truth: the loader cuts each step into
     `batch * processes * accumulation` samples, so an engine counting differently would desync.
     (`accelerate launch --gradient_accumulation_steps` or a DeepSpeed config value overrides the
     Accelerator's through ACCELERATE_GRADIENT_ACCUMULATION_STEPS.)"""
-    k = cfg.training.loop.gradient_accumulation_steps
+    k = micro_batches_per_step(cfg)
     if acc.gradient_accumulation_steps != k:
+        if cfg.method.name in REWARD_METHODS:
+            raise ValueError(
+                f"method.name {cfg.method.name}: an optimizer step accumulates {k} micro-batches "
+                f"(training.loop.gradient_accumulation_steps x the trained timesteps) but the launch configuration "
+                f"sets {acc.gradient_accumulation_steps} (ACCELERATE_GRADIENT_ACCUMULATION_STEPS / "
+                f"--gradient_accumulation_steps): remove it there; the recipe decides"
+            )
         raise ValueError(
             f"training.loop.gradient_accumulation_steps is {k} but the launch configuration sets "
             f"{acc.gradient_accumulation_steps} (ACCELERATE_GRADIENT_ACCUMULATION_STEPS / "
@@ -736,7 +756,7 @@ def _build_student_and_method(cfg: RunConfig, acc: Any) -> tuple[Any, Any]:
 
 
 # A role's `trainable` when the recipe leaves it null.
-ROLE_TRAINABLE = {"teacher": False, "critic": True}
+ROLE_TRAINABLE = {"teacher": False, "critic": True, "old": False, "reference": False}
 
 
 def build_other_roles(cfg: RunConfig, acc: Any) -> dict[str, Any]:
@@ -748,11 +768,13 @@ def build_other_roles(cfg: RunConfig, acc: Any) -> dict[str, Any]:
     from fv_accel.models import family_of
 
     roles: dict[str, Any] = {}
-    for name in ("teacher", "critic"):
+    for name in ROLE_TRAINABLE:
         section = getattr(cfg.models, name)
         if section is None:
             continue
         trainable = ROLE_TRAINABLE[name] if section.trainable is None else bool(section.trainable)
+        if name in ("old", "reference") and trainable:
+            raise ConfigError(f"models.{name}.trainable: the {name} policy is never trained; remove the key")
         if name == "teacher" and section.lora.enable:
             raise ConfigError("models.teacher.lora.enable: the teacher is frozen; remove the teacher's LoRA section")
         role_cfg = role_config(cfg, name)
@@ -782,6 +804,9 @@ def _build_loader(cfg: RunConfig, acc: Any, data_path: str, student: Any, method
         cfg, world_size=dp_size, rank=dp_rank, data_path=data_path, exclude_indices=heldout_rows
     )
     method.check_data(loader)
+    from fv_accel.validation import sampling_model_source
+
+    method.model_source = sampling_model_source(cfg, data_path)
     check_data_fits_model(loader.dataset, student, method)
     check_latent_stats(student, cfg, data_path)
     return heldout_rows, loader

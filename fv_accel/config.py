@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 import types
@@ -141,10 +142,18 @@ class ModelsConfig:
     # `transformer_config` starts from the teacher's weights.
     teacher: Optional[StudentConfig] = None
     critic: Optional[StudentConfig] = None
+    # Reward training (method.name diffusion_nft): the sampling policy `old` (moved toward the student
+    # after each outer step) and the frozen `reference` of the KL term. A role that names no model of
+    # its own (neither `init_from` nor `transformer_config`) is the student's model; with a LoRA
+    # student both are adapters over the student's one frozen base (no section of their own).
+    old: Optional[StudentConfig] = None
+    reference: Optional[StudentConfig] = None
 
 
 # The methods that distil a teacher into the student (roles student, teacher, critic).
 DISTILLATION_METHODS = ("dmd2", "self_forcing")
+# The reward-training methods (roles student, old, reference).
+REWARD_METHODS = ("diffusion_nft",)
 # What a role inherits from the teacher when it names no model of its own.
 INHERITED_MODEL_KEYS = ("init_from", "model_class", "transformer_config", "revision", "subfolder", "variant",
                         "torch_dtype", "latents_mean", "latents_std")
@@ -152,7 +161,7 @@ INHERITED_MODEL_KEYS = ("init_from", "model_class", "transformer_config", "revis
 
 @dataclass
 class MethodConfig:
-    name: Literal["finetune", "dfsft", "tfsft", "dmd2", "self_forcing"] = "finetune"
+    name: Literal["finetune", "dfsft", "tfsft", "dmd2", "self_forcing", "diffusion_nft"] = "finetune"
     chunk_size: Any = None  # parsed by DiffusionForcingSFTMethod (REFERENCE.md section 4)
     min_timestep_ratio: Any = 0.0
     max_timestep_ratio: Any = 1.0
@@ -192,6 +201,98 @@ class MethodConfig:
     # Gradient through the exit step of each chunk starting at or after start_gradient_frame.
     enable_gradient_in_rollout: bool = True
     start_gradient_frame: int = 0
+    # ---- DiffusionNFT (FastVideo's key names and defaults; read by DiffusionNFTMethod) ----
+    # The rewards: {name: weight} (FastVideo's form) or [{name, weight, options...}]; a name
+    # `module:function` is the user's own (fv_accel/rewards/).
+    reward_fn: Any = None
+    sampling: "NFTSamplingConfig" = field(default_factory=lambda: NFTSamplingConfig())
+    # Prompts per sampling batch on each process (FastVideo: the loader's batch size when unset).
+    sample_train_batch_size: Optional[int] = None
+    # Samples per training micro-batch (FastVideo: sample_train_batch_size when unset).
+    train_batch_size: Optional[int] = None
+    num_batches_per_epoch: int = 48
+    num_inner_epochs: int = 1
+    # Videos per prompt: the group whose rewards are compared (spread over the processes).
+    num_video_per_prompt: int = 24
+    adv_clip_max: float = 5.0
+    adv_mode: Literal["all", "positive_only", "negative_only", "one_only", "binary"] = "all"
+    # The share of the sampling schedule's timesteps trained on (int(len * fraction), at least 1).
+    timestep_fraction: float = 0.99
+    kl_beta: float = 0.0001
+    beta: float = 0.1
+    # How the old policy follows the student after each outer step (DiffusionNFT's return_decay).
+    decay_type: Literal[0, 1, 2] = 1
+    ema: "NFTEmaConfig" = field(default_factory=lambda: NFTEmaConfig())
+    validation: "NFTValidationConfig" = field(default_factory=lambda: NFTValidationConfig())
+
+
+@dataclass
+class NFTSamplingConfig:
+    """method.sampling: how the old policy samples (FastVideo's rl/common SamplingConfig)."""
+
+    num_steps: int = 25
+    # model_default: the student's training table's scheduler; flow_match_euler: a fresh one at `flow_shift`.
+    scheduler: Literal["model_default", "flow_match_euler"] = "model_default"
+    trajectory: Literal["ode", "sde_reflow"] = "ode"
+    flow_shift: Optional[float] = None
+    timesteps: Optional[list[float]] = None
+    sigmas: Optional[list[float]] = None
+
+    def check(self) -> None:
+        if self.num_steps < 1:
+            raise Invalid("num_steps", self.num_steps, "an integer >= 1")
+        for key in ("timesteps", "sigmas"):
+            value = getattr(self, key)
+            if value is not None and not value:
+                raise Invalid(key, value, "a non-empty list of numbers, or null")
+        if self.timesteps is not None and self.sigmas is not None and len(self.timesteps) != len(self.sigmas):
+            raise Invalid("sigmas", self.sigmas, f"as many values as timesteps ({len(self.timesteps)})")
+        if self.flow_shift is not None and not (self.flow_shift > 0 and math.isfinite(self.flow_shift)):
+            raise Invalid("flow_shift", self.flow_shift, "a positive number, or null (the model's)")
+
+    def schedule_length(self) -> int:
+        if self.timesteps is not None:
+            return len(self.timesteps)
+        if self.sigmas is not None:
+            return len(self.sigmas)
+        return self.num_steps
+
+
+@dataclass
+class NFTEmaConfig:
+    """method.ema: an EMA of the student, updated after each optimizer step, used for validation."""
+
+    enabled: bool = True
+    decay: float = 0.9
+    update_after_step: int = 0
+    validation: bool = True
+
+    def check(self) -> None:
+        if not 0.0 <= self.decay <= 1.0:
+            raise Invalid("decay", self.decay, "a number in [0, 1]")
+        if self.update_after_step < 0:
+            raise Invalid("update_after_step", self.update_after_step, "an integer >= 0")
+
+
+@dataclass
+class NFTValidationConfig:
+    """method.validation: the reward on held-out prompts, never trained on."""
+
+    every_steps: int = 0  # optimizer steps; 0: off
+    num_steps: int = 40
+    num_prompts: int = 16
+    batch_size: int = 16
+    seed: int = 42
+    # Prompts of a dataset of their own (never trained on); null: callbacks.validation.heldout_fraction's rows.
+    data_path: Optional[str] = None
+    log_samples: bool = True
+
+    def check(self) -> None:
+        for key in ("num_steps", "num_prompts", "batch_size"):
+            if getattr(self, key) < 1:
+                raise Invalid(key, getattr(self, key), "an integer >= 1")
+        if self.every_steps < 0:
+            raise Invalid("every_steps", self.every_steps, "an integer >= 0 (0: off)")
 
 
 @dataclass
@@ -877,8 +978,8 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def default_recipe(method: str) -> Path:
-    """The built-in tiny recipe for a method ("finetune" or "dfsft")."""
-    return CONFIG_DIR / f"tiny_{method}.yaml"
+    """The built-in tiny recipe for a method (configs/tiny_<method>.yaml; DiffusionNFT's tiny_nft.yaml)."""
+    return CONFIG_DIR / f"tiny_{ {'diffusion_nft': 'nft'}.get(method, method) }.yaml"
 
 
 def _parse_override_value(text: str, dotted: str = "") -> Any:
@@ -962,6 +1063,14 @@ def resolve_roles(cfg: RunConfig, data: dict, source: str) -> None:
     model of its own (neither `init_from` nor `transformer_config`) starts from the teacher's, and
     a missing critic section is the teacher's model. Roles of a method that has none are refused."""
     models = cfg.models
+    reward_roles = [r for r in ("old", "reference") if getattr(models, r) is not None]
+    if cfg.method.name in REWARD_METHODS:
+        resolve_reward_roles(cfg, data, source)
+    elif reward_roles:
+        raise ConfigError(
+            f"{source}: key 'models.{reward_roles[0]}' is set but method.name {cfg.method.name!r} has no such role "
+            f"(roles old and reference belong to {', '.join(REWARD_METHODS)}): remove the section"
+        )
     if cfg.method.name not in DISTILLATION_METHODS:
         extra = [r for r in ("teacher", "critic") if getattr(models, r) is not None]
         if extra:
@@ -987,11 +1096,50 @@ def resolve_roles(cfg: RunConfig, data: dict, source: str) -> None:
                     setattr(target, key, _deep_copy(getattr(models.teacher, key)))
 
 
+def resolve_reward_roles(cfg: RunConfig, data: dict, source: str) -> None:
+    """The roles of reward training: `old` and `reference` that name no model of their own are the
+    student's model (frozen); with a LoRA student they are adapters over its base and take no section."""
+    models, given = cfg.models, data.get("models") or {}
+    for role in ("old", "reference"):
+        raw = given.get(role) or {}
+        if models.student.lora.enable and getattr(models, role) is not None:
+            raise ConfigError(
+                f"{source}: key 'models.{role}': with a LoRA student (models.student.lora.enable) the {role} policy is "
+                "an adapter over the student's own base: remove the section"
+            )
+        if models.student.lora.enable:
+            continue
+        if getattr(models, role) is None:
+            setattr(models, role, StudentConfig())
+        target = getattr(models, role)
+        if raw.get("init_from") is None and raw.get("transformer_config") is None:
+            for key in INHERITED_MODEL_KEYS + ("flow_shift",):
+                if key not in raw:
+                    setattr(target, key, _deep_copy(getattr(models.student, key)))
+        if target.lora.enable:
+            raise ConfigError(f"{source}: key 'models.{role}.lora.enable': the {role} policy is frozen; remove its LoRA section")
+
+
+def micro_batches_per_step(cfg: RunConfig) -> int:
+    """Micro-batches of one optimizer step: training.loop.gradient_accumulation_steps, times (reward
+    training) the timesteps each sample trains at (DiffusionNFT accumulates over every timestep)."""
+    k = cfg.training.loop.gradient_accumulation_steps
+    if cfg.method.name not in REWARD_METHODS:
+        return k
+    return k * nft_train_timesteps(cfg.method)
+
+
+def nft_train_timesteps(method: "MethodConfig") -> int:
+    """int(schedule length * method.timestep_fraction), at least 1 and at most the schedule's length."""
+    length = method.sampling.schedule_length()
+    return max(1, min(length, int(length * float(method.timestep_fraction))))
+
+
 def check_role_runs(cfg: RunConfig) -> None:
     """A role's `init_from` that names the output folder of one of the built-in recipes, before that
     run exists (the tiny teacher of configs/tiny_dmd2.yaml): a ConfigError giving the command that
     makes it, instead of a Hub lookup of a folder name."""
-    for role in ("student", "teacher", "critic"):
+    for role in ("student", "teacher", "critic", "old", "reference"):
         section = getattr(cfg.models, role)
         if section is None or not section.init_from or Path(section.init_from).exists():
             continue

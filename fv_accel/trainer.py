@@ -22,6 +22,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from fv_accel.config import micro_batches_per_step
 from fv_accel.data.loader import NONFINITE_MARK, describe_samples, flagged_rows
 
 logger = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ class LoopSettings:
     model: Any  # the student's transformer
     params: list  # its trainable parameters (clipped, checked for a non-finite norm)
     models: list  # the transformers of every trained role (the student's first)
-    accumulation: int  # training.loop.gradient_accumulation_steps
+    accumulation: int  # micro-batches per optimizer step (config.micro_batches_per_step)
     max_steps: int
     max_norm: float
     ckpt_every: int
@@ -206,7 +207,7 @@ class LoopSettings:
             model=student.transformer,
             params=student.trainable_parameters(),
             models=[role.transformer for role in method.trainable_roles().values()],
-            accumulation=cfg.training.loop.gradient_accumulation_steps,
+            accumulation=micro_batches_per_step(cfg),
             max_steps=cfg.training.loop.max_train_steps,
             max_norm=cfg.callbacks.grad_clip.max_grad_norm,
             ckpt_every=cfg.training.checkpoint.training_state_checkpointing_steps,
@@ -681,7 +682,6 @@ class Trainer:
         """Steps until `max_train_steps`, a fault policy stops the run (TrainingStopped) or a signal
         asks for a stop at a step boundary; then the final outputs (or the stop's checkpoint) and the
         run summary."""
-        from fv_accel.data.loader import BatchPrefetcher
         from fv_accel.process import progress_bar
         from fv_accel.telemetry import Telemetry
 
@@ -694,8 +694,9 @@ class Trainer:
         progress = self._progress = progress_bar(
             loop.max_steps, "train", show=acc.is_local_main_process, unit="step", initial=self.step
         )
-        # The next batches are read and moved to the device in the background while a step computes.
-        batches = BatchPrefetcher(self.dataloader, acc.device)
+        # The method's micro-batches: by default the loader's next batches, read and moved to the
+        # device in the background while a step computes.
+        batches = self.method.train_batches(self.dataloader, acc.device, self.step)
         t_start = time.perf_counter()
         stopped_by: Optional[str] = None
         for model in loop.models:
@@ -708,9 +709,10 @@ class Trainer:
                     batches.close()  # batches drawn ahead may hold rows about to be set aside
                 self._set_aside_flagged_rows(outcome)
                 self._count_step(outcome)
+                self.method.on_step_end(self.step)
                 if outcome.fault is not None:
                     # Draw again after the finished step, without the rows set aside.
-                    batches = BatchPrefetcher(self.dataloader, acc.device)
+                    batches = self.method.train_batches(self.dataloader, acc.device, self.step)
                 outcome.step_time = time.perf_counter() - t0
                 tally.add(outcome, loop.data_parallel)
                 self._log_step(outcome, loop, tally, telemetry)

@@ -427,6 +427,20 @@ class TrainingMethod:
         """How many steps each LR schedule has taken after `step` optimizer steps (resume checks it)."""
         return {"student": step}
 
+    # Where the student's VAE and text encoder come from (a Hub id or folder; set by the build).
+    model_source: Optional[str] = None
+
+    def train_batches(self, loader: Any, device: torch.device, step: int) -> Any:
+        """The micro-batches the trainer's steps consume from optimizer step `step` on (an iterator
+        with `close()`): the loader's batches, read ahead on a background thread."""
+        from fv_accel.data.loader import BatchPrefetcher
+
+        del step
+        return BatchPrefetcher(loader, device)
+
+    def on_step_end(self, step: int) -> None:
+        """After optimizer step `step` (1-based) is counted, before callbacks and checkpoints; nothing here."""
+
     def check_data(self, loader: Any) -> None:
         """Refuse, in one line, training data this method cannot use (called once the loader is built)."""
 
