@@ -11,7 +11,8 @@ names in `__all__` (tests/test_layering.py checks), each importing what it needs
   and `tiny_caption_words` (the words of the captions its clips carry);
 - the tiny model builder: `tiny_models` (every tiny model by name) and `tiny_model_defaults`;
 - the multimodal world's measure: `tiny_clip_modes` (each sample's distance to the nearest clip
-  of its caption).
+  of its caption);
+- where a clip's shape is: `tiny_shape_centres` (the tiny demo's reward, fv_accel/rewards/tiny_left.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["tiny_dataset", "tiny_caption_words", "tiny_models", "tiny_model_defaults", "tiny_clip_modes"]
+__all__ = [
+    "tiny_dataset", "tiny_caption_words", "tiny_models", "tiny_model_defaults", "tiny_clip_modes", "tiny_shape_centres",
+]
 
 
 def tiny_dataset(data_cfg: Any, cache_dir: Optional[str] = None, run_cfg: Any = None) -> Path:
@@ -65,3 +68,11 @@ def tiny_clip_modes(data_cfg: Any, cache_dir: Optional[str] = None) -> Any:
     from fv_accel.tiny.modes import ClipModes
 
     return ClipModes.load(ensure_tiny_dataset(data_cfg, cache_dir).parent)
+
+
+def tiny_shape_centres(frames: Any) -> Any:
+    """(x, y) in pixels of the shape in each frame of uint8 frames [F, H, W, 3], as a float [F, 2]
+    array, NaN for a frame that shows no shape (fv_accel/tiny/motion.py)."""
+    from fv_accel.tiny.motion import shape_centres
+
+    return shape_centres(frames)
