@@ -10,6 +10,7 @@ scripts and usable from Python or a notebook:
 from __future__ import annotations
 
 import logging
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -801,7 +802,7 @@ def _build_loader(cfg: RunConfig, acc: Any, data_path: str, student: Any, method
     # Data parallel ranks shard the data; the processes of one context-parallel group share a batch.
     dp_size, dp_rank = data_parallel_layout(cfg.training.model.context_parallel, acc.num_processes, acc.process_index)
     loader = build_train_loader(
-        cfg, world_size=dp_size, rank=dp_rank, data_path=data_path, exclude_indices=heldout_rows
+        rows_only(cfg), world_size=dp_size, rank=dp_rank, data_path=data_path, exclude_indices=heldout_rows
     )
     method.check_data(loader)
     from fv_accel.validation import sampling_model_source
@@ -810,6 +811,16 @@ def _build_loader(cfg: RunConfig, acc: Any, data_path: str, student: Any, method
     check_data_fits_model(loader.dataset, student, method)
     check_latent_stats(student, cfg, data_path)
     return heldout_rows, loader
+
+
+def rows_only(cfg: RunConfig) -> RunConfig:
+    """Reward training picks its prompt rows itself (the K-repeat sampler): its loader serves rows
+    one at a time, so a dataset of a few prompts is enough whatever the batch and accumulation."""
+    if cfg.method.name not in REWARD_METHODS:
+        return cfg
+    data = dataclasses.replace(cfg.training.data, train_batch_size=1)
+    loop = dataclasses.replace(cfg.training.loop, gradient_accumulation_steps=1)
+    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, data=data, loop=loop))
 
 
 def _log_run_plan(cfg: RunConfig, acc: Any, student: Any) -> None:
