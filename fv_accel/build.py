@@ -501,6 +501,10 @@ def build_callbacks(cfg: RunConfig, data_path: str, accelerator: Any = None) -> 
     if cfg.callbacks.ema.enable:
         ema = EmaCallback.from_config(cfg)
         out.append(ema)
+    if cfg.method.name in REWARD_METHODS and cfg.method.validation.every_steps:
+        from fv_accel.reward_validation import RewardValidationCallback
+
+        out.append(RewardValidationCallback(cfg, ema=ema))
     return out + build_validation_callbacks(cfg, data_path, ema=ema, accelerator=accelerator)
 
 

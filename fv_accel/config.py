@@ -278,17 +278,22 @@ class NFTEmaConfig:
 class NFTValidationConfig:
     """method.validation: the reward on held-out prompts, never trained on."""
 
-    every_steps: int = 0  # optimizer steps; 0: off
+    every_steps: int = 0  # optimizer steps; 0: off (the last step is validated too when on)
     num_steps: int = 40
+    # The held-out prompts: rows of the training data whose caption is one of them are never
+    # trained on. Else the first `num_prompts` rows of `data_path` (a dataset of its own).
+    prompts: list[str] = field(default_factory=list)
+    data_path: Optional[str] = None
     num_prompts: int = 16
+    # Samples per prompt, each from its own seed (seed, prompt, sample): the seed-to-seed spread is logged.
+    videos_per_prompt: int = 1
     batch_size: int = 16
     seed: int = 42
-    # Prompts of a dataset of their own (never trained on); null: callbacks.validation.heldout_fraction's rows.
-    data_path: Optional[str] = None
+    # Sample videos of the first sample of each prompt, under <output_dir>/samples/.
     log_samples: bool = True
 
     def check(self) -> None:
-        for key in ("num_steps", "num_prompts", "batch_size"):
+        for key in ("num_steps", "num_prompts", "batch_size", "videos_per_prompt"):
             if getattr(self, key) < 1:
                 raise Invalid(key, getattr(self, key), "an integer >= 1")
         if self.every_steps < 0:
@@ -634,10 +639,14 @@ class EmaConfig:
     enable: bool = False
     decay: float = 0.9999
     device: Literal["same", "cpu"] = "same"
+    # Optimizer steps before the average starts to move (it holds the weights of the start until then).
+    update_after_step: int = 0
 
     def check(self) -> None:
         if not 0.0 < self.decay < 1.0:
             raise Invalid("decay", self.decay, "a number in (0, 1)")
+        if self.update_after_step < 0:
+            raise Invalid("update_after_step", self.update_after_step, "an integer >= 0")
 
 
 @dataclass
@@ -1066,6 +1075,7 @@ def resolve_roles(cfg: RunConfig, data: dict, source: str) -> None:
     reward_roles = [r for r in ("old", "reference") if getattr(models, r) is not None]
     if cfg.method.name in REWARD_METHODS:
         resolve_reward_roles(cfg, data, source)
+        resolve_reward_ema(cfg, data, source)
     elif reward_roles:
         raise ConfigError(
             f"{source}: key 'models.{reward_roles[0]}' is set but method.name {cfg.method.name!r} has no such role "
@@ -1118,6 +1128,28 @@ def resolve_reward_roles(cfg: RunConfig, data: dict, source: str) -> None:
                     setattr(target, key, _deep_copy(getattr(models.student, key)))
         if target.lora.enable:
             raise ConfigError(f"{source}: key 'models.{role}.lora.enable': the {role} policy is frozen; remove its LoRA section")
+
+
+def resolve_reward_ema(cfg: RunConfig, data: dict, source: str) -> None:
+    """FastVideo's `method.ema` block of reward training is the trainer's EMA (`callbacks.ema`, used
+    for validation and exported): a recipe that sets both sections differently is refused."""
+    method_ema = ((data.get("method") or {}).get("ema")) is not None
+    callbacks_ema = ((data.get("callbacks") or {}).get("ema")) is not None
+    me, ce = cfg.method.ema, cfg.callbacks.ema
+    wanted = (me.enabled, me.decay, me.update_after_step)
+    if callbacks_ema and not method_ema:
+        return
+    if callbacks_ema and ce.enable != me.enabled or (callbacks_ema and me.enabled and (ce.decay, ce.update_after_step) != wanted[1:]):
+        raise ConfigError(
+            f"{source}: key 'method.ema' {dict(enabled=me.enabled, decay=me.decay, update_after_step=me.update_after_step)} "
+            f"disagrees with callbacks.ema {dict(enable=ce.enable, decay=ce.decay, update_after_step=ce.update_after_step)}: "
+            "set one of the two (method.ema is FastVideo's name for the same average)"
+        )
+    if me.enabled and not 0.0 < me.decay < 1.0:
+        raise ConfigError(f"{source}: key 'method.ema.decay': expected a number in (0, 1) for an enabled average, got {me.decay!r}")
+    ce.enable, ce.update_after_step = me.enabled, me.update_after_step
+    if me.enabled:
+        ce.decay = me.decay
 
 
 def micro_batches_per_step(cfg: RunConfig) -> int:
@@ -1379,7 +1411,8 @@ def parse_cli(argv: list[str], method: str) -> tuple[RunConfig, dict]:
     if config_path is None:
         config_path = str(default_recipe(method))
     # The entry script decides the method family; a recipe may name it (or TFSFT, a DFSFT variant).
-    allowed = {"finetune": ("finetune",), "dfsft": ("dfsft", "tfsft"), "dmd2": ("dmd2",), "self_forcing": ("self_forcing",)}[method]
+    allowed = {"finetune": ("finetune",), "dfsft": ("dfsft", "tfsft"), "dmd2": ("dmd2",), "self_forcing": ("self_forcing",),
+               "diffusion_nft": ("diffusion_nft",)}[method]
     named = overrides.get("method.name") or (_read_yaml(Path(config_path)).get("method") or {}).get("name")
     if named is None:
         overrides["method.name"] = method

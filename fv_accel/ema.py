@@ -186,8 +186,9 @@ class EmaWeights:
 class EmaCallback(TrainerCallback):
     """Keeps an `EmaWeights` of the student's trainable parameters for the trainer."""
 
-    def __init__(self, decay: float, device: str = "same", export: bool = True):
+    def __init__(self, decay: float, device: str = "same", export: bool = True, update_after_step: int = 0):
         self.decay = float(decay)
+        self.update_after_step = int(update_after_step)
         self.device = device
         self.export = export
         self.ema: Optional[EmaWeights] = None
@@ -196,7 +197,8 @@ class EmaCallback(TrainerCallback):
 
     @classmethod
     def from_config(cls, cfg) -> "EmaCallback":
-        return cls(cfg.callbacks.ema.decay, cfg.callbacks.ema.device, export=cfg.training.checkpoint.save_final)
+        ema = cfg.callbacks.ema
+        return cls(ema.decay, ema.device, export=cfg.training.checkpoint.save_final, update_after_step=ema.update_after_step)
 
     def _build(self, trainer) -> EmaWeights:
         params = trainer.method.student.trainable_parameters()
@@ -232,6 +234,8 @@ class EmaCallback(TrainerCallback):
         if skipped != self._skipped_seen:
             self._skipped_seen = skipped
             return
+        if step <= self.update_after_step:
+            return  # callbacks.ema.update_after_step: the average still holds the starting weights
         self.ema.update()
 
     def on_train_end(self, trainer) -> None:

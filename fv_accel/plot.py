@@ -8,7 +8,10 @@ reads `OUTPUT_DIR/logs/metrics.jsonl` (written by the trainer) and writes PNG fi
 - `loss.png`: the training loss (raw and smoothed), the learning rate and the gradient norm;
 - `heldout_loss.png`: the held-out loss per sigma bucket (and per chunk pattern for DFSFT), with
   the mean over buckets in bold;
-- `throughput.png`: samples/s and latent tokens/s, step time and data wait, and memory.
+- `throughput.png`: samples/s and latent tokens/s, step time and data wait, and memory;
+- `reward.png` (reward training): the held-out prompts' reward per reward, beside the reference's,
+  over the training samples' reward, and the KL term to the reference: reward hacking shows as a
+  reward that climbs while the KL runs away.
 
 A figure whose data is absent (no held-out loss in the run, say) is not drawn.
 """
@@ -161,12 +164,40 @@ def plot_throughput(series: Series, out: Path) -> Optional[Path]:
     return _save(plt, fig, out / "throughput.png")
 
 
+def plot_reward(series: Series, out: Path) -> Optional[Path]:
+    held = sorted(k for k in series if k.startswith("validation/reward/") and not k.endswith("_std"))
+    trained = sorted(k for k in series if k.startswith("reward/") and not k.endswith("_std") and k != "reward/dropped")
+    if not held and not trained:
+        return None
+    plt, fig, axes = _figure(2)
+    for key in trained:
+        steps, values = series[key]
+        axes[0].plot(steps, values, color="0.6", linewidth=0.8, label=f"training samples' {key.split('/', 1)[1]}")
+    for key in held:
+        axes[0].plot(*series[key], "o-", markersize=3, label="held-out " + key.split("/", 2)[2])
+        ref = key.replace("validation/reward/", "validation/reference/reward/")
+        if ref in series:
+            axes[0].axhline(series[ref][1][-1], linestyle="--", color="black", linewidth=1.0,
+                            label="reference's held-out " + key.split("/", 2)[2])
+    axes[0].set_ylabel("reward")
+    axes[0].legend(loc="lower right", fontsize=7)
+    axes[0].grid(alpha=0.3)
+    if "kl_div_loss" in series:
+        axes[1].plot(*series["kl_div_loss"], color="tab:red", linewidth=1.0, label="KL term to the reference")
+        axes[1].set_yscale("log")
+        axes[1].legend(loc="upper left", fontsize=8)
+    axes[1].set_ylabel("||v - v_ref||^2")
+    axes[1].grid(alpha=0.3, which="both")
+    axes[-1].set_xlabel("step")
+    return _save(plt, fig, out / "reward.png")
+
+
 def write_plots(output_dir: str | Path, out_dir: Optional[str | Path] = None) -> list[Path]:
     """Draw every figure the logs allow; returns the PNG paths written."""
     series = read_metrics(output_dir)
     out = Path(out_dir) if out_dir is not None else Path(output_dir) / "plots"
     out.mkdir(parents=True, exist_ok=True)
-    written = [plot(series, out) for plot in (plot_loss, plot_heldout, plot_throughput)]
+    written = [plot(series, out) for plot in (plot_loss, plot_heldout, plot_throughput, plot_reward)]
     return [p for p in written if p is not None]
 
 

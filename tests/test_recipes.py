@@ -62,7 +62,7 @@ FAMILY_RECIPES = {
 def test_every_real_recipe_is_listed():
     real = {p.stem for p in (ROOT / "configs").glob("*.yaml")} - {
         "tiny_finetune", "tiny_dfsft", "tiny_dfsft_causal", "tiny_tfsft", "tiny_dmd2", "tiny_dmd2_teacher", "tiny_dfsft_causal_multimodal",
-        "tiny_self_forcing", "bench_small", "gpu_bench_1_3b",
+        "tiny_self_forcing", "tiny_nft", "bench_small", "gpu_bench_1_3b",
         "gpu_bench_14b", "gpu_check_small",
     }
     assert real == set(WAN_RECIPES) | set(FAMILY_RECIPES)

@@ -329,8 +329,7 @@ class DiffusionNFTMethod(TrainingMethod):
 
         loader = self._loader
         dataset = loader.dataset
-        excluded = loader.sampler.exclude_indices | set(getattr(loader, "set_aside_rows", {}))
-        rows = [i for i in range(len(dataset)) if i not in excluded]
+        rows = self.trainable_rows(loader)
         world, rank = self.data_parallel_world()
         seed = self.seed + (iteration - 1) * int(self.cfg.method.num_batches_per_epoch) + b
         picked = k_repeat_rows(rows, batch_size=self.sample_batch, repeats=int(self.cfg.method.num_video_per_prompt),
@@ -338,6 +337,27 @@ class DiffusionNFTMethod(TrainingMethod):
         items = [dataset[(i, iteration, 0)] for i in picked]
         batch = collate(items)
         return batch, [str(item.get("caption", "")) for item in items]
+
+    def trainable_rows(self, loader: Any) -> list[int]:
+        """The rows prompts are drawn from: the loader's, less the held-out and set-aside ones and
+        those whose caption is a held-out prompt of `method.validation.prompts`."""
+        excluded = set(loader.sampler.exclude_indices) | set(getattr(loader, "set_aside_rows", {}))
+        for prompt in self.cfg.method.validation.prompts:
+            excluded |= set(self.caption_rows(loader.dataset).get(prompt, ()))
+        rows = [i for i in range(len(loader.dataset)) if i not in excluded]
+        if not rows:
+            raise ConfigError("method.validation.prompts: every row of the training data holds a held-out prompt: nothing to train on")
+        return rows
+
+    def caption_rows(self, dataset: Any) -> dict[str, list[int]]:
+        """Each caption of `dataset` with its rows (read once from the rows' caption column)."""
+        if getattr(self, "_caption_rows", None) is None:
+            rows: dict[str, list[int]] = defaultdict(list)
+            for i in range(len(dataset)):
+                row = dataset.rows.row(i) if hasattr(dataset, "rows") else dataset[(i, 0, 0)]
+                rows[str(row.get("caption", "") or "")].append(i)
+            self._caption_rows = dict(rows)
+        return self._caption_rows
 
     def data_parallel_world(self) -> tuple[int, int]:
         from accelerate import PartialState
