@@ -67,8 +67,9 @@ def test_the_sampling_schedule_is_shifted_twice_at_its_low_end():
     assert s.sigmas[-1].item() == 0.0 and len(s.sigmas) == 5
 
 
-def test_stopped_between_optimizer_steps_of_an_outer_step_resumes_bitwise(tmp_path, tiny_data_path):
-    common = {"training.checkpoint.training_state_checkpointing_steps": 3}
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_stopped_between_optimizer_steps_of_an_outer_step_resumes_bitwise(tmp_path, tiny_data_path, lora):
+    common = {"training.checkpoint.training_state_checkpointing_steps": 3, "models.student.lora.enable": lora}
     straight = build_from_config(NFT_RECIPE, nft_overrides(tmp_path / "a", tiny_data_path, **common))
     assert straight.method.steps_per_outer == 2
     Trainer(straight).run()
@@ -85,11 +86,12 @@ def test_stopped_between_optimizer_steps_of_an_outer_step_resumes_bitwise(tmp_pa
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), (role, k)
+    for (s1, o1), (s2, o2) in zip(straight.method.old_pairs(), resumed.method.old_pairs()):
+        assert torch.equal(s1, s2) and torch.equal(o1, o2)
     assert torch.equal(straight.method.cuda_generator.get_state(), resumed.method.cuda_generator.get_state())
     # The old policy moved toward the student (decay_type 1: it keeps 0.1% then 0.2% of itself).
-    ref = straight.method.reference.transformer.state_dict()
-    old = straight.method.old.transformer.state_dict()
-    assert any(not torch.equal(ref[k], old[k]) for k in ref)
+    start = build_from_config(NFT_RECIPE, nft_overrides(tmp_path / "c", tiny_data_path, **common))
+    assert any(not torch.equal(o, s) for (_, o), (_, s) in zip(straight.method.old_pairs(), start.method.old_pairs()))
 
 
 def test_a_nan_reward_drops_its_sample_from_the_group_and_is_named_once(tmp_path, tiny_data_path, monkeypatch, caplog):
@@ -120,7 +122,7 @@ def test_a_nan_reward_drops_its_sample_from_the_group_and_is_named_once(tmp_path
 
 def test_refusals_are_one_line_naming_the_key(tmp_path, tiny_data_path):
     cases = [
-        ({"models.student.lora.enable": True}, "models.student.lora.enable"),
+        ({"models.student.lora.enable": True, "models.old.init_from": "x"}, "models.old"),
         ({"method.num_video_per_prompt": 3}, "method.num_video_per_prompt"),
         ({"training.loop.gradient_accumulation_steps": 3}, "training.loop.gradient_accumulation_steps"),
         ({"method.timestep_fraction": 0.0}, "method.timestep_fraction"),
@@ -133,3 +135,43 @@ def test_refusals_are_one_line_naming_the_key(tmp_path, tiny_data_path):
             Trainer(run).run()
         text = str(err.value)
         assert key in text and "\n" not in text, (extra, text)
+
+
+def test_a_lora_run_holds_one_base_with_the_old_policy_an_adapter_and_the_reference_the_base(tmp_path, tiny_data_path):
+    run = build_from_config(NFT_RECIPE, nft_overrides(tmp_path, tiny_data_path, **{
+        "models.student.lora.enable": True, "models.student.lora.rank": 4, "training.loop.max_train_steps": 2}))
+    method = run.method
+    assert run.config.models.old is None and run.config.models.reference is None
+    transformer = method.student.transformer
+    assert method.old.transformer is transformer and method.reference.transformer is transformer
+    base = [p for n, p in transformer.named_parameters() if "lora_" not in n]
+    assert len({p.data_ptr() for p in base}) == len(base)  # each base weight stored once, in the one transformer
+    trained = [n for n, p in transformer.named_parameters() if p.requires_grad]
+    assert trained and all(".default." in n for n in trained)
+    old_adapter = [n for n, _ in transformer.named_parameters() if ".old." in n]
+    assert len(old_adapter) == len(trained)
+    Trainer(run).run()
+    # After the outer step the old adapter is decay * itself + (1 - decay) * the student's (decay 0.001).
+    for student, old in method.old_pairs():
+        assert torch.allclose(old, student.detach(), atol=1e-3 * float((student.detach()).abs().max()) + 1e-7)
+    moved = [(s, o) for s, o in method.old_pairs() if not torch.equal(s, o)]
+    assert moved, "the LoRA B matrices trained: the old adapter must differ from the student's in the last bits"
+    # The reference is the base: its prediction equals the student's with every adapter off.
+    from fv_accel.models.base import TrainingBatch
+    from fv_accel.models.lora import adapter_view
+
+    x = torch.randn(1, 16, 3, 4, 4)
+    cond = method.outer.cond.select(torch.tensor([0])) if method.outer is not None else None
+    if cond is None:
+        batch, _ = method.prompt_batch(1, 0)
+        cond = method.student.build_conditioning(batch).select(torch.tensor([0]))
+    tb = TrainingBatch(conditioning=cond)
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        ref = method.reference.predict_noise(x, t, tb)
+        with adapter_view(transformer, None):
+            base_pred = method.student.predict_noise(x, t, tb)
+        student_pred = method.student.predict_noise(x, t, tb)
+    assert torch.equal(ref, base_pred)
+    assert not torch.equal(ref, student_pred)
+    assert all(".default." in n for n, p in transformer.named_parameters() if p.requires_grad)  # views left grads alone

@@ -20,10 +20,11 @@ converted back to the original base instead (peft's PiSSA-to-LoRA conversion: ra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -438,3 +439,54 @@ __all__ = [
     "to_comfyui",
     "trained_part_of_deployable",
 ]
+
+
+def add_frozen_adapter(transformer: torch.nn.Module, name: str) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+    """A second adapter `name` beside the trained one, a frozen copy of it (no gradient; the trained
+    adapter stays the active, trainable one), over the same base. Returns the (trained, copy)
+    parameter pairs in the order of the transformer's parameters."""
+    import warnings
+
+    config = transformer.peft_config[ADAPTER_NAME]
+    with warnings.catch_warnings():  # peft's notice that a model now holds two adapters: the point here
+        warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+        transformer.add_adapter(copy_config(config), adapter_name=name)
+    transformer.set_adapter(ADAPTER_NAME)  # back to the trained adapter (peft sets requires_grad)
+    named = dict(transformer.named_parameters())
+    pairs = []
+    for key, param in named.items():
+        if f".{ADAPTER_NAME}." not in key:
+            continue
+        other = named[key.replace(f".{ADAPTER_NAME}.", f".{name}.")]
+        with torch.no_grad():
+            other.data = param.detach().clone()
+        other.requires_grad_(False)
+        pairs.append((param, other))
+    return pairs
+
+
+def copy_config(config: Any) -> Any:
+    import copy
+
+    return copy.deepcopy(config)
+
+
+@contextlib.contextmanager
+def adapter_view(transformer: torch.nn.Module, name: Optional[str]) -> Iterator[None]:
+    """Inside the block the transformer computes through adapter `name` alone, or through none (the
+    frozen base) with None; the trained adapter's requires_grad is untouched (peft's own switches
+    set it), and the layers' state comes back after the block."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+    saved = [(m._active_adapter, m._disable_adapters) for m in layers]
+    try:
+        for m in layers:
+            if name is None:
+                m._disable_adapters = True
+            else:
+                m._active_adapter = [name]
+        yield
+    finally:
+        for m, (active, disabled) in zip(layers, saved):
+            m._active_adapter, m._disable_adapters = active, disabled

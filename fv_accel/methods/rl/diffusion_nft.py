@@ -38,6 +38,8 @@ from fv_accel.models.base import Conditioning, ModelBase, TrainingBatch
 from fv_accel.schedulers import randn
 
 ROLES = ("student", "old", "reference")
+# With a LoRA student, the old policy's adapter beside the trained one ("default").
+OLD_ADAPTER = "old"
 # The per-sample loss terms' floor (DiffusionNFT's weight factor clip).
 WEIGHT_FLOOR = 1e-5
 # The advantage's denominator guard.
@@ -65,6 +67,30 @@ def group_advantages(rewards: torch.Tensor, prompts: list[str], valid: torch.Ten
         r = rewards[index]
         adv[index] = (r - r.mean()) / (r.std(unbiased=False) + STD_EPS)
     return adv
+
+
+class AdapterView:
+    """A frozen role over a LoRA student's transformer: its predictions through one adapter (the
+    old policy's) or none (the reference: the base), sharing the student's one base."""
+
+    _trainable = False
+
+    def __init__(self, student: ModelBase, adapter: Optional[str]):
+        self.student, self.adapter = student, adapter
+        self.role = "reference" if adapter is None else "old"
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.student.transformer
+
+    def training_table(self, latent_shape: Any) -> Any:
+        return self.student.training_table(latent_shape)
+
+    def predict_noise(self, x: torch.Tensor, t: torch.Tensor, tb: TrainingBatch, **kwargs: Any) -> torch.Tensor:
+        from fv_accel.models.lora import adapter_view
+
+        with adapter_view(self.student._unwrapped(), self.adapter):
+            return self.student.predict_noise(x, t, tb, **kwargs)
 
 
 class OuterStep:
@@ -153,11 +179,15 @@ class DiffusionNFTMethod(TrainingMethod):
     def __init__(self, *, cfg: Any, role_models: dict[str, ModelBase]) -> None:
         super().__init__(cfg=cfg, role_models=role_models)
         self._require_trainable_student("DiffusionNFTMethod")
-        if cfg.models.student.lora.enable and "old" not in role_models:
-            raise ConfigError(
-                "method.name diffusion_nft with a LoRA student (old and reference as adapters over its base) is not "
-                "supported yet: train the student in full (models.student.lora.enable: false)"
-            )
+        self.lora = bool(cfg.models.student.lora.enable)
+        self._old_pairs: Optional[list] = None
+        if self.lora:
+            # One base: the old policy is a second adapter over the student's, the reference the base alone.
+            from fv_accel.models.lora import add_frozen_adapter
+
+            self._old_pairs = add_frozen_adapter(self.student.transformer, OLD_ADAPTER)
+            role_models = {**role_models, "old": AdapterView(self.student, OLD_ADAPTER),
+                           "reference": AdapterView(self.student, None)}
         missing = [r for r in ROLES if r not in role_models]
         if missing:
             raise ValueError(f"DiffusionNFTMethod requires roles {', '.join(ROLES)}; missing {', '.join(missing)}")
@@ -171,8 +201,9 @@ class DiffusionNFTMethod(TrainingMethod):
         self._parse_recipe(cfg.method)
         self._init_student()
         for role in (self.old, self.reference):
-            role.init_preprocessors(self.training_config)
-            role.transformer.eval()
+            if not isinstance(role, AdapterView):
+                role.init_preprocessors(self.training_config)
+                role.transformer.eval()
         from fv_accel.rewards import build_rewards, parse_reward_fn
 
         self.reward_spec = parse_reward_fn(cfg.method.reward_fn)
@@ -221,7 +252,7 @@ class DiffusionNFTMethod(TrainingMethod):
         has its own from the checkpoint)."""
         if step == 0 and self._loader is None:
             with torch.no_grad():
-                for src, tgt in zip(self.student.transformer.parameters(), self.old.transformer.parameters(), strict=True):
+                for src, tgt in self.old_pairs():
                     tgt.copy_(src.detach())
         self._loader = loader
         return NFTBatches(self, step)
@@ -260,13 +291,19 @@ class DiffusionNFTMethod(TrainingMethod):
         self.update_old_policy(iteration)
         self.outer = None
 
+    def old_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(student, old) parameter pairs: the whole models', or with LoRA the two adapters'."""
+        if self._old_pairs is not None:
+            return self._old_pairs
+        return list(zip(self.student.transformer.parameters(), self.old.transformer.parameters(), strict=True))
+
     @torch.no_grad()
     def update_old_policy(self, iteration: int) -> None:
         """old <- decay * old + (1 - decay) * student, decay = return_decay(iteration, decay_type);
         the drift (mean squared change) is logged with the next outer step."""
         decay = return_decay(iteration, int(self.cfg.method.decay_type))
         drift, count = 0.0, 0
-        for src, tgt in zip(self.student.transformer.parameters(), self.old.transformer.parameters(), strict=True):
+        for src, tgt in self.old_pairs():
             new = tgt.detach() * decay + src.detach() * (1.0 - decay)
             drift += float((new.float() - tgt.float()).pow(2).sum())
             count += tgt.numel()
@@ -512,7 +549,7 @@ class DiffusionNFTMethod(TrainingMethod):
     # ---- checkpoints ----
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The old policy's weights (this process's part), and the outer step in progress."""
-        out = {f"old.{k}": local_tensor(v) for k, v in self.old.transformer.state_dict().items()}
+        out = {f"old.{i}": local_tensor(old).detach().clone() for i, (_, old) in enumerate(self.old_pairs())}
         if self.outer is not None:
             out.update({f"outer.{k}": v for k, v in self.outer.state_tensors().items()})
         return out
@@ -521,8 +558,8 @@ class DiffusionNFTMethod(TrainingMethod):
         old = {k[len("old."):]: v for k, v in tensors.items() if k.startswith("old.")}
         if old:
             with torch.no_grad():
-                for name, value in self.old.transformer.state_dict().items():
-                    local_tensor(value).copy_(old[name].to(value.device))
+                for i, (_, param) in enumerate(self.old_pairs()):
+                    local_tensor(param).copy_(old[str(i)].to(param.device))
         outer = {k[len("outer."):]: v for k, v in tensors.items() if k.startswith("outer.")}
         self._restored = outer or None
         self.outer = None
