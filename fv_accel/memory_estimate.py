@@ -583,6 +583,9 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
     except ConfigError as err:
         raise EstimateUnavailable(str(err)) from None
     est = _estimate_role(cfg, env)
+    if cfg.method.name == "diffusion_nft":
+        _add_reward_roles(cfg, est, env)
+        return est
     if cfg.method.name not in DISTILLATION_METHODS:
         return est
     described = []
@@ -601,6 +604,45 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
     if cfg.method.name == "self_forcing":
         _add_kv_cache(cfg, est)
     return est
+
+
+def _add_reward_roles(cfg: RunConfig, est: MemoryEstimate, env: Optional[Mapping[str, str]]) -> None:
+    """Reward training: the old policy and the reference, frozen. With a LoRA student both are
+    adapters over its one base (a second adapter's parameters; the reference adds nothing); in full
+    fine-tuning each is a whole copy of the model. The reward models' parameters are counted where
+    the recipe's rewards can be built here (a built-in model found locally); a user's function has none."""
+    from fv_accel.config import role_config
+
+    c = est.census
+    if cfg.models.student.lora.enable:
+        est.parameters += c.trainable_bytes
+        est.notes.append(
+            f"diffusion_nft: one base; the old policy a second adapter ({c.trainable:,} parameters, frozen), "
+            "the reference the base with adapters off"
+        )
+    else:
+        for role in ("old", "reference"):
+            other = _estimate_role(role_config(cfg, role), env)
+            est.parameters += other.parameters
+        est.notes.append(f"diffusion_nft: the old policy and the reference, two frozen copies of {c.total:,} parameters")
+    est.notes.append("diffusion_nft: " + _reward_model_note(cfg))
+
+
+def _reward_model_note(cfg: RunConfig) -> str:
+    """The reward models' parameter counts (fv_accel.rewards), or why they are not counted."""
+    from fv_accel.rewards.spec import parse_reward_fn
+
+    spec = parse_reward_fn(cfg.method.reward_fn)
+    models = [e for e in spec.entries if e.name in ("pickscore", "clipscore")]
+    if not models:
+        return f"rewards {', '.join(spec.names)}: no model parameters"
+    try:
+        from fv_accel.rewards import build_rewards
+
+        sizes = build_rewards(spec, "cpu").parameter_bytes()
+    except (OSError, ValueError) as err:
+        return f"reward models not counted ({str(err).splitlines()[0]})"
+    return "reward models (inference only, no gradient): " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sizes.items() if v)
 
 
 def _add_kv_cache(cfg: RunConfig, est: MemoryEstimate) -> None:

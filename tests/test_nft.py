@@ -175,3 +175,18 @@ def test_a_lora_run_holds_one_base_with_the_old_policy_an_adapter_and_the_refere
     assert torch.equal(ref, base_pred)
     assert not torch.equal(ref, student_pred)
     assert all(".default." in n for n, p in transformer.named_parameters() if p.requires_grad)  # views left grads alone
+
+
+def test_the_memory_estimate_counts_three_copies_in_full_and_one_base_with_lora(tmp_path, tiny_data_path):
+    from fv_accel.config import load_config
+    from fv_accel.memory_estimate import estimate_memory
+
+    env = {"WORLD_SIZE": "1"}
+    sft = estimate_memory(load_config(default_recipe("finetune"), {
+        "models.student.transformer_config": dict(TINY_TEACHER), "training.data.data_path": tiny_data_path}), env)
+    full = estimate_memory(load_config(NFT_RECIPE, nft_overrides(tmp_path, tiny_data_path)), env)
+    lora = estimate_memory(load_config(NFT_RECIPE, nft_overrides(tmp_path, tiny_data_path, **{"models.student.lora.enable": True})), env)
+    assert full.parameters == pytest.approx(3 * sft.parameters)
+    adapter = lora.census.trainable_bytes
+    assert adapter > 0 and lora.parameters == pytest.approx(lora.census.param_bytes + adapter)
+    assert any("one base" in n for n in lora.notes) and any("two frozen copies" in n for n in full.notes)
