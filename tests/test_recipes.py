@@ -30,6 +30,8 @@ WAN_RECIPES = {
     "wan2_2_ti2v_5b_i2v_dmd2": ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "dmd2", None, "i2v", False, 5.0),
     # The student starts from the causal DFSFT run of wan2_1_t2v_1_3b_dfsft (the teacher is the Hub model).
     "wan2_1_t2v_1_3b_self_forcing": ("outputs/wan2_1_t2v_1_3b_dfsft", "self_forcing", None, "auto", False, 5.0),
+    "wan2_1_t2v_1_3b_nft_image": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "diffusion_nft", None, "auto", False, 3.0),
+    "wan2_1_t2v_1_3b_nft_lora": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "diffusion_nft", None, "auto", True, 3.0),
 }
 
 

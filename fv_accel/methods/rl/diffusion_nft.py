@@ -257,6 +257,20 @@ class DiffusionNFTMethod(TrainingMethod):
         self._loader = loader
         return NFTBatches(self, step)
 
+    def check_data(self, loader: Any) -> None:
+        """Refused before any step, in one line: a text-only dataset without the recipe's latent
+        shape, and a sampling batch that needs more distinct prompts than the data has."""
+        from fv_accel.data.loader import rollout_latent_shape
+
+        if getattr(loader, "preprocessed_data_type", None) == "text_only":
+            rollout_latent_shape(self.cfg, self.student.in_channels)
+        world, rank = self.data_parallel_world()
+        try:
+            k_repeat_rows(self.trainable_rows(loader), batch_size=self.sample_batch,
+                          repeats=int(self.cfg.method.num_video_per_prompt), world_size=world, rank=rank, seed=0)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
     def outer_step_of(self, step: int) -> int:
         """The 1-based outer step that optimizer step `step` (1-based) belongs to."""
         return (step - 1) // self.steps_per_outer + 1
