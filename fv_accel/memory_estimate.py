@@ -27,7 +27,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -629,20 +629,42 @@ def _add_reward_roles(cfg: RunConfig, est: MemoryEstimate, env: Optional[Mapping
 
 
 def _reward_model_note(cfg: RunConfig) -> str:
-    """The reward models' parameter counts (fv_accel.rewards), or why they are not counted."""
+    """The reward models' parameters, counted from their config.json (a local folder or the Hugging
+    Face cache; no weights are read or fetched), or the command that fetches the config."""
     from fv_accel.rewards.spec import parse_reward_fn
 
     spec = parse_reward_fn(cfg.method.reward_fn)
-    models = [e for e in spec.entries if e.name in ("pickscore", "clipscore")]
-    if not models:
-        return f"rewards {', '.join(spec.names)}: no model parameters"
-    try:
-        from fv_accel.rewards import build_rewards
+    parts = []
+    for entry in spec.entries:
+        model = entry.options.get("model")  # the built-in model rewards' (defaults filled in)
+        if model is None:
+            parts.append(f"{entry.name}: no model")
+            continue
+        count = _clip_parameters(str(model), entry.options.get("revision"))
+        size = 2 if entry.options.get("dtype") == "bfloat16" else 4
+        parts.append(f"{entry.name} {model}: " + (f"{count:,} parameters, {fmt_bytes(count * size)} (inference only)" if count
+                     else f"not counted: its config.json is not here (`hf download {model} config.json`)"))
+    return "rewards: " + "; ".join(parts)
 
-        sizes = build_rewards(spec, "cpu").parameter_bytes()
-    except (OSError, ValueError) as err:
-        return f"reward models not counted ({str(err).splitlines()[0]})"
-    return "reward models (inference only, no gradient): " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sizes.items() if v)
+
+def _clip_parameters(model: str, revision: Optional[str]) -> int:
+    """Parameters of the CLIP model at `model` from its config alone (built on the meta device); 0
+    when its config.json is in neither the folder nor the cache."""
+    import torch
+
+    folder = Path(model)
+    path: Any = folder / "config.json" if folder.is_dir() else None
+    if path is None:
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(model, "config.json", revision=revision)
+    if not isinstance(path, (str, Path)) or not Path(path).is_file():
+        return 0
+    from transformers import CLIPConfig, CLIPModel
+
+    with torch.device("meta"):
+        clip = CLIPModel(CLIPConfig.from_pretrained(str(Path(path).parent)))
+    return sum(p.numel() for p in clip.parameters())
 
 
 def _add_kv_cache(cfg: RunConfig, est: MemoryEstimate) -> None:

@@ -190,3 +190,18 @@ def test_the_memory_estimate_counts_three_copies_in_full_and_one_base_with_lora(
     adapter = lora.census.trainable_bytes
     assert adapter > 0 and lora.parameters == pytest.approx(lora.census.param_bytes + adapter)
     assert any("one base" in n for n in lora.notes) and any("two frozen copies" in n for n in full.notes)
+
+
+def test_the_memory_estimate_counts_a_reward_model_from_its_config(tmp_path, tiny_data_path):
+    from transformers import CLIPModel
+
+    from fv_accel.config import load_config
+    from fv_accel.memory_estimate import estimate_memory
+    from fv_accel.tiny.clip import write_tiny_clip
+
+    folder = write_tiny_clip(tmp_path / "clip", kind="clip")
+    count = sum(p.numel() for p in CLIPModel.from_pretrained(str(folder)).parameters())
+    cfg = load_config(NFT_RECIPE, nft_overrides(tmp_path, tiny_data_path, **{
+        "method.reward_fn": [{"name": "clipscore", "model": str(folder)}, {"name": "tiny_left"}]}))
+    note = [n for n in estimate_memory(cfg, {"WORLD_SIZE": "1"}).notes if "rewards:" in n][0]
+    assert f"clipscore {folder}: {count:,} parameters" in note and "tiny_left: no model" in note

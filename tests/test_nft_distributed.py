@@ -160,14 +160,16 @@ def ddp_run(tmp_path_factory, tiny_data_path):
 @pytest.fixture(scope="module")
 def fsdp2_runs(tmp_path_factory, tiny_data_path):
     """Under FSDP2: a straight 4-step run checkpointing at steps 3 and 4; a run stopped at step 3
-    (inside outer step 2) with its checkpoint; that run resumed to step 4."""
+    (inside outer step 2) with its checkpoint; a run resumed from that checkpoint to step 4."""
     root = tmp_path_factory.mktemp("nft_fsdp2")
     every = {"training.checkpoint.training_state_checkpointing_steps": 3, "training.checkpoint.save_final": True}
     runs = [
         nft_run("straight", root, tiny_data_path, "fsdp2", **every),
         nft_run("stopped", root, tiny_data_path, "fsdp2", **every, **{"training.loop.max_train_steps": 3}),
-        {**nft_run("stopped", root, tiny_data_path, "fsdp2", **every, **{
-            "training.checkpoint.resume_from_checkpoint": "latest"}), "name": "resumed"},
+        # Into its own output_dir: the launch's processes go on to the next run as soon as they are
+        # done, and the main process may still hold the stopped run's output_dir lock.
+        nft_run("resumed", root, tiny_data_path, "fsdp2", **every, **{
+            "training.checkpoint.resume_from_checkpoint": str(root / "stopped" / "out" / "checkpoint-3")}),
     ]
     return root, launch("accelerate_configs/fsdp2.yaml", runs, root, "--mixed_precision", "no")
 
@@ -257,7 +259,7 @@ def test_fsdp2_shards_every_role_updates_the_old_policy_and_resumes_mid_outer_st
         for rec in records[name]:
             assert rec["distributed_type"] == "DistributedType.FSDP" and rec["is_fsdp2"] and rec["param_type"] == "DTensor"
     # Student, old and reference are sharded: each rank holds its part of each.
-    for start, folder in ((0, "straight"), (3, "stopped")):
+    for start, folder in ((0, "straight"), (3, "resumed")):
         layouts = [json.loads((root / folder / f"roles_start{start}_rank{r}.json").read_text()) for r in (0, 1)]
         for role in ("student", "old", "reference"):
             full = layouts[0][role]["full"]
@@ -295,7 +297,7 @@ def test_fsdp2_shards_every_role_updates_the_old_policy_and_resumes_mid_outer_st
     assert [r["start_step"] for r in resumed] == [3, 3] and [s["step"] for s in resumed[0]["steps"]] == [STEPS]
     for r in (0, 1):
         assert resumed[r]["steps"][0]["micro_losses"] == straight[r]["steps"][STEPS - 1]["micro_losses"]
-    resumed_out = root / "stopped" / "out"
+    resumed_out = root / "resumed" / "out"
     resumed_final = load_file(str(resumed_out / "transformer" / "diffusion_pytorch_model.safetensors"))
     assert max_diff(resumed_final, final) == 0.0
     for r in (0, 1):
