@@ -67,9 +67,10 @@ def test_the_sampling_schedule_is_shifted_twice_at_its_low_end():
     assert s.sigmas[-1].item() == 0.0 and len(s.sigmas) == 5
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_stopped_between_optimizer_steps_of_an_outer_step_resumes_bitwise(tmp_path, tiny_data_path, lora):
-    common = {"training.checkpoint.training_state_checkpointing_steps": 3, "models.student.lora.enable": lora}
+@pytest.mark.parametrize("lora,noise_rng", [(False, "rank"), (True, "rank"), (False, "sample")], ids=["full", "lora", "per_sample"])
+def test_stopped_between_optimizer_steps_of_an_outer_step_resumes_bitwise(tmp_path, tiny_data_path, lora, noise_rng):
+    common = {"training.checkpoint.training_state_checkpointing_steps": 3, "models.student.lora.enable": lora,
+              "training.loop.noise_rng": noise_rng}
     straight = build_from_config(NFT_RECIPE, nft_overrides(tmp_path / "a", tiny_data_path, **common))
     assert straight.method.steps_per_outer == 2
     Trainer(straight).run()

@@ -47,6 +47,8 @@ def brightness(clips, prompts):
     return scores
 '''
 REWARD = {"method.reward_fn": [{"name": "nft_dist_rewards:brightness", "weight": 1.0}]}
+# A LoRA student: the old policy a second adapter over its base, the reference the base alone.
+LORA = {"models.student.lora.enable": True, "models.student.lora.rank": 4}
 
 
 # ---- the launched side --------------------------------------------------------------------------
@@ -122,7 +124,7 @@ def metrics(output_dir: str) -> dict[int, dict]:
     return {rec["step"]: rec for rec in map(json.loads, lines)}
 
 
-def old_policy(ckpt: Path, rank: int, names: list[str]) -> dict[str, torch.Tensor]:
+def old_policy(ckpt: Path, rank: int, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The old policy's tensors a rank saved in a checkpoint (its shards under FSDP2), by the
     student's parameter names (`names`, in order) where the checkpoint numbers them."""
     from safetensors.torch import load_file
@@ -130,7 +132,7 @@ def old_policy(ckpt: Path, rank: int, names: list[str]) -> dict[str, torch.Tenso
     prefix = "extra/method/old."
     saved = {k[len(prefix):]: v for k, v in load_file(str(ckpt / f"fv_rank_{rank}.safetensors")).items() if k.startswith(prefix)}
     assert saved
-    return {names[int(k)] if k.isdigit() else k: v for k, v in saved.items()}
+    return {names[int(k)] if names and k.isdigit() else k: v for k, v in saved.items()}
 
 
 def student_names(root: Path, run: str) -> list[str]:
@@ -150,17 +152,20 @@ def captions(data_path: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory, tiny_data_path):
-    """4 optimizer steps (2 outer steps) under DDP, a checkpoint at the last (each rank's old policy)."""
+    """4 optimizer steps (2 outer steps) under DDP, a checkpoint at the last (each rank's old
+    policy); then the same with a LoRA student (rewards recorded for the first run only)."""
     root = tmp_path_factory.mktemp("nft_ddp")
-    run = nft_run("ddp", root, tiny_data_path, "launch", **{"training.checkpoint.training_state_checkpointing_steps": STEPS})
-    records = launch("accelerate_configs/cpu_2proc.yaml", [run], root, reward_log=root / "rewards")
-    return root, records["ddp"]
+    last = {"training.checkpoint.training_state_checkpointing_steps": STEPS}
+    runs = [nft_run("ddp", root, tiny_data_path, "launch", **last), nft_run("ddp_lora", root, tiny_data_path, "launch", **last, **LORA)]
+    records = launch("accelerate_configs/cpu_2proc.yaml", runs, root, reward_log=root / "rewards")
+    return root, records
 
 
 @pytest.fixture(scope="module")
 def fsdp2_runs(tmp_path_factory, tiny_data_path):
     """Under FSDP2: a straight 4-step run checkpointing at steps 3 and 4; a run stopped at step 3
-    (inside outer step 2) with its checkpoint; a run resumed from that checkpoint to step 4."""
+    (inside outer step 2) with its checkpoint; a run resumed from that checkpoint to step 4; a
+    LoRA run checkpointing at step 4."""
     root = tmp_path_factory.mktemp("nft_fsdp2")
     every = {"training.checkpoint.training_state_checkpointing_steps": 3, "training.checkpoint.save_final": True}
     runs = [
@@ -170,6 +175,7 @@ def fsdp2_runs(tmp_path_factory, tiny_data_path):
         # done, and the main process may still hold the stopped run's output_dir lock.
         nft_run("resumed", root, tiny_data_path, "fsdp2", **every, **{
             "training.checkpoint.resume_from_checkpoint": str(root / "stopped" / "out" / "checkpoint-3")}),
+        nft_run("lora", root, tiny_data_path, "fsdp2", **LORA, **{"training.checkpoint.training_state_checkpointing_steps": STEPS}),
     ]
     return root, launch("accelerate_configs/fsdp2.yaml", runs, root, "--mixed_precision", "no")
 
@@ -182,7 +188,8 @@ def test_ddp_ranks_sample_k_repeat_slices_and_share_advantages_and_weights(ddp_r
     from fv_accel.methods.rl.diffusion_nft import group_advantages
     from fv_accel.methods.rl.sampling import k_repeat_rows
 
-    root, ranks = ddp_run
+    root, records = ddp_run
+    ranks = records["ddp"]
     assert [r["distributed_type"] for r in ranks] == ["DistributedType.MULTI_CPU"] * 2
     assert [[s["step"] for s in r["steps"]] for r in ranks] == [list(range(1, STEPS + 1))] * 2
 
@@ -190,7 +197,10 @@ def test_ddp_ranks_sample_k_repeat_slices_and_share_advantages_and_weights(ddp_r
     # (outer - 1) x num_batches_per_epoch + batch): 2 prompts, each twice over the 2 ranks.
     scored = [[json.loads(line) for line in (root / "rewards" / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
     outers = STEPS // STEPS_PER_OUTER
-    assert [len(s) for s in scored] == [outers * BATCHES] * 2
+    # The launch's runs one after the other: "ddp"'s sampling batches, then "ddp_lora"'s (the same prompts).
+    assert [len(s) for s in scored] == [2 * outers * BATCHES] * 2
+    assert all([b["prompts"] for b in s[outers * BATCHES:]] == [b["prompts"] for b in s[: outers * BATCHES]] for s in scored)
+    scored = [s[: outers * BATCHES] for s in scored]
     text = captions(tiny_data_path)
     split = 0
     for i in range(outers * BATCHES):
@@ -254,7 +264,8 @@ def test_fsdp2_shards_every_role_updates_the_old_policy_and_resumes_mid_outer_st
     from safetensors.torch import load_file
 
     root, records = fsdp2_runs
-    ddp_root, ddp_ranks = ddp_run
+    ddp_root, ddp_records = ddp_run
+    ddp_ranks = ddp_records["ddp"]
     for name in ("straight", "stopped", "resumed"):
         for rec in records[name]:
             assert rec["distributed_type"] == "DistributedType.FSDP" and rec["is_fsdp2"] and rec["param_type"] == "DTensor"
@@ -305,6 +316,26 @@ def test_fsdp2_shards_every_role_updates_the_old_policy_and_resumes_mid_outer_st
         b = load_file(str(resumed_out / f"checkpoint-{STEPS}" / f"fv_rank_{r}.safetensors"))
         assert a.keys() == b.keys() and any(k.startswith("extra/method/old.") for k in a)
         assert [k for k in a if not torch.equal(a[k], b[k])] == []  # old policy shards and generators
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_fsdp2_lora_old_adapter_follows_the_trained_adapter_as_under_ddp(fsdp2_runs, ddp_run):
+    """With a LoRA student the old policy is a second adapter: under FSDP2 its update reaches the
+    sharded adapter the model computes with, and ends where the DDP run's does."""
+    root, records = fsdp2_runs
+    ddp_root, ddp_records = ddp_run
+    assert all(rec["is_fsdp2"] for rec in records["lora"])
+    ddp_ckpt = Path(ddp_records["ddp_lora"][0]["output_dir"]) / f"checkpoint-{STEPS}"
+    ddp_old = old_policy(ddp_ckpt, 0)
+    assert max_diff(ddp_old, old_policy(ddp_ckpt, 1)) == 0.0
+    # LoRA's B matrices start at zero: the old adapter's moved with the trained one's.
+    assert max(v.abs().max().item() for v in ddp_old.values()) > 1e-3
+    assert sum(v.abs().max().item() == 0.0 for v in ddp_old.values()) == 0
+    fsdp2_ckpt = root / "lora" / "out" / f"checkpoint-{STEPS}"
+    shards = [old_policy(fsdp2_ckpt, r) for r in (0, 1)]
+    assert all(shards[0][k].shape[0] < ddp_old[k].shape[0] for k in ddp_old)  # each rank saved its shards
+    assert max_diff({k: torch.cat([shards[0][k], shards[1][k]]) for k in ddp_old}, ddp_old) < WEIGHT_TOL
 
 
 def test_deepspeed_is_refused_in_one_line_before_anything_is_built(tmp_path, monkeypatch, capsys):

@@ -36,6 +36,7 @@ from fv_accel.methods.base import LogScalar, TrainingMethod
 from fv_accel.methods.rl.sampling import k_repeat_rows, sample_policy, sampling_schedule
 from fv_accel.models.base import Conditioning, ModelBase, TrainingBatch
 from fv_accel.schedulers import randn
+from fv_accel.seeding import derived_seed
 
 ROLES = ("student", "old", "reference")
 # With a LoRA student, the old policy's adapter beside the trained one ("default").
@@ -161,6 +162,10 @@ class NFTBatches:
         index = outer.perm[b * size : stop]
         # The timestep permutations belong to the permuted positions (FastVideo permutes the samples first).
         columns = outer.time_perm[b * size : stop, j]
+        if m.per_sample:  # every process holds every sample: this one trains its share of the micro-batch
+            world, rank = m.data_parallel_world()
+            share = index.numel() // world
+            index, columns = index[rank * share : (rank + 1) * share], columns[rank * share : (rank + 1) * share]
         self.micro += 1
         return {
             "nft": {"outer": outer, "index": index, "columns": columns},
@@ -235,6 +240,14 @@ class DiffusionNFTMethod(TrainingMethod):
         self.n_t = nft_train_timesteps(mc)
         total = int(mc.num_batches_per_epoch) * self.sample_batch
         self.num_batches = max(1, total // self.train_batch)
+        # training.loop.noise_rng sample: each sample's draws from its own generator, the samples of
+        # every process gathered and permuted together, so that N processes train as one would.
+        self.per_sample = self.noise_rng == "sample"
+        if self.per_sample and total % self.train_batch:
+            raise ConfigError(
+                f"training.loop.noise_rng sample: method.train_batch_size {self.train_batch} must divide the samples of an "
+                f"outer step on a process (num_batches_per_epoch x sample_train_batch_size = {total})"
+            )
         k = int(self.training_config.loop.gradient_accumulation_steps)
         per_outer = int(mc.num_inner_epochs) * self.num_batches
         if per_outer % k:
@@ -290,12 +303,26 @@ class DiffusionNFTMethod(TrainingMethod):
         return self.outer
 
     def draw_permutations(self, outer: OuterStep, epoch: int) -> None:
-        """The inner epoch's sample permutation, then one timestep permutation per sample."""
+        """The inner epoch's sample permutation, then one timestep permutation per sample (the
+        rank's generator; with noise_rng sample, seeded by the outer step, epoch and sample)."""
         n = outer.x0.shape[0]
-        g = self.cuda_generator
-        outer.perm = torch.randperm(n, device=self.device, generator=g)
-        outer.time_perm = torch.stack([torch.randperm(self.n_t, device=self.device, generator=g) for _ in range(n)])
+        if self.per_sample:
+            g = torch.Generator().manual_seed(derived_seed(self.seed, "nft-perm", outer.iteration, epoch))
+            perm = torch.randperm(n, generator=g)
+            outer.perm = perm.to(self.device)
+            outer.time_perm = torch.stack([
+                torch.randperm(self.n_t, generator=torch.Generator().manual_seed(
+                    derived_seed(self.seed, "nft-time", outer.iteration, epoch, int(i)))) for i in perm
+            ]).to(self.device)
+        else:
+            g = self.cuda_generator
+            outer.perm = torch.randperm(n, device=self.device, generator=g)
+            outer.time_perm = torch.stack([torch.randperm(self.n_t, device=self.device, generator=g) for _ in range(n)])
         outer.epoch = epoch
+
+    def sample_generators(self, *parts: Any, count: int, first: int) -> list[torch.Generator]:
+        """One generator per sample, seeded by `parts` and the sample's global number."""
+        return [torch.Generator(device=self.device).manual_seed(derived_seed(self.seed, *parts, first + i)) for i in range(count)]
 
     def on_step_end(self, step: int) -> None:
         """After the last optimizer step of an outer step: the old policy moves toward the student."""
@@ -338,7 +365,11 @@ class DiffusionNFTMethod(TrainingMethod):
             if schedule is None:
                 schedule = sampling_schedule(self.sampling_shift(shape), self.cfg.method.sampling, self.device)
             t1 = time.perf_counter()
-            x0 = sample_policy(self.old, tb, shape, schedule, self.cfg.method.sampling.trajectory, self.cuda_generator,
+            generator: Any = self.cuda_generator
+            if self.per_sample:
+                _, rank = self.data_parallel_world()
+                generator = self.sample_generators("nft-sample", iteration, b, count=shape[0], first=rank * shape[0])
+            x0 = sample_policy(self.old, tb, shape, schedule, self.cfg.method.sampling.trajectory, generator,
                                predict=self.predict_override)
             t2 = time.perf_counter()
             clips = self.decode_for_reward(x0)
@@ -353,18 +384,22 @@ class DiffusionNFTMethod(TrainingMethod):
             valids.append(~invalid.to(self.device))
             for name, value in scores.items():
                 rewards[name].append(value.to(self.device, torch.float32))
-        x0 = torch.cat(xs)
+        x0, cond = torch.cat(xs), concat_conditioning(conds)
         reward = {k: torch.cat(v) for k, v in rewards.items()}
         valid = torch.cat(valids)
-        adv, metrics = self.advantages(reward, prompts, valid)
+        adv, adv_all, metrics = self.advantages(reward, prompts, valid)
+        if self.per_sample:  # every process keeps every process's samples (gathered in rank order)
+            x0, valid, adv = self.gather(x0), self.gather(valid), adv_all
+            cond = gather_conditioning(cond, self.gather)
         train_t = schedule.timesteps[: self.n_t]
         metrics.update(timing, old_drift=self._old_drift, outer_step=float(iteration),
                        outer_s=time.perf_counter() - t0)
-        return OuterStep(iteration, x0, concat_conditioning(conds), train_t[None].expand(x0.shape[0], -1).clone(),
-                         adv, valid, metrics)
+        return OuterStep(iteration, x0, cond, train_t[None].expand(x0.shape[0], -1).clone(), adv, valid, metrics)
 
     # A stand-in for the roles' predictions (tests): predict(role, x, t, tb) -> velocity.
     predict_override: Any = None
+    # The generator(s) of the micro-batch's noise (set by single_train_step).
+    _noise_generator: Any = None
 
     def sampling_shift(self, shape: Any) -> float:
         """The sampler's table shift: the student's training shift (`model_default`), or
@@ -429,9 +464,10 @@ class DiffusionNFTMethod(TrainingMethod):
             shape = (b, *batch["vae_latent"].shape[1:])
         else:
             shape = (b, *rollout_latent_shape(self.cfg, self.student.in_channels))
-        g = self.cuda_generator
-        randn(shape, g, self.device)
-        self.sample_homogeneous_indices(b, g, self.device, in_range=False)
+        if not self.per_sample:
+            g = self.cuda_generator
+            randn(shape, g, self.device)
+            self.sample_homogeneous_indices(b, g, self.device, in_range=False)
         return TrainingBatch(conditioning=cond), tuple(int(s) for s in shape)
 
     def decode_for_reward(self, latents: torch.Tensor) -> torch.Tensor:
@@ -461,9 +497,9 @@ class DiffusionNFTMethod(TrainingMethod):
         return self.rewards.score(clips, prompts)
 
     def advantages(self, reward: dict[str, torch.Tensor], prompts: list[str], valid: torch.Tensor
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
-        """This process's advantages from the rewards of every process (gathered in rank order), and
-        the outer step's reward and advantage figures."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """This process's advantages and every process's (gathered in rank order) from the rewards
+        of every process, and the outer step's reward and advantage figures."""
         avg = torch.where(valid, reward["avg"], torch.zeros_like(reward["avg"]))
         all_avg, all_valid, all_prompts = self.gather(avg), self.gather(valid), self.gather_prompts(prompts)
         adv_all = group_advantages(all_avg, all_prompts, all_valid)
@@ -480,7 +516,7 @@ class DiffusionNFTMethod(TrainingMethod):
         metrics["advantage/abs_mean"] = float(a.abs().mean()) if a.numel() else 0.0
         metrics["advantage/clipped_share"] = float((a.abs() > float(self.cfg.method.adv_clip_max)).float().mean()) if a.numel() else 0.0
         metrics["reward/dropped"] = float((~all_valid).sum())
-        return adv, metrics
+        return adv, adv_all, metrics
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         world, _ = self.data_parallel_world()
@@ -511,6 +547,13 @@ class DiffusionNFTMethod(TrainingMethod):
         valid = outer.valid[index]
         cond = outer.cond.select(index)
         tb = TrainingBatch(latents=x0, conditioning=cond, timesteps=timestep)
+        self._noise_generator = self.cuda_generator
+        if self.per_sample:
+            self._noise_generator = [
+                torch.Generator(device=self.device).manual_seed(
+                    derived_seed(self.seed, "nft-noise", outer.iteration, outer.epoch, int(i), int(c)))
+                for i, c in zip(index.tolist(), item["columns"].tolist())
+            ]
         losses = self.nft_loss(x0, timestep, adv, valid, tb)
         outputs: dict[str, Any] = {"_fv_backward": (timestep, None), "training_batch": tb}
         metrics = {k: torch.tensor(v) for k, v in outer.metrics.items()}
@@ -530,7 +573,7 @@ class DiffusionNFTMethod(TrainingMethod):
         mc = self.cfg.method
         beta, clip_max = float(mc.beta), float(mc.adv_clip_max)
         t = (timestep.float() / float(self.table.num_train_timesteps)).view(-1, *([1] * (x0.ndim - 1)))
-        noise = randn((x0.shape[0], x0.shape[2], x0.shape[1], *x0.shape[3:]), self.cuda_generator, x0.device).permute(0, 2, 1, 3, 4)
+        noise = randn((x0.shape[0], x0.shape[2], x0.shape[1], *x0.shape[3:]), self._noise_generator, x0.device).permute(0, 2, 1, 3, 4)
         xt = ((1 - t) * x0 + t * noise).to(x0.dtype)
         with torch.no_grad():
             old = self._predict(self.old, xt, timestep, tb).detach()
@@ -617,6 +660,12 @@ def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This process's part of a tensor (a DTensor's local shard under FSDP2)."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def gather_conditioning(cond: Conditioning, gather: Any) -> Conditioning:
+    """Every process's conditioning, in rank order."""
+    fields = {n: gather(getattr(cond, n).contiguous()) for n in OuterStep.COND_FIELDS if getattr(cond, n) is not None}
+    return Conditioning(clean_frames=cond.clean_frames, extras={k: gather(v.contiguous()) for k, v in cond.extras.items()}, **fields)
 
 
 def concat_conditioning(conds: list[Conditioning]) -> Conditioning:
