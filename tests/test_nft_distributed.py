@@ -130,7 +130,8 @@ def old_policy(ckpt: Path, rank: int, names: list[str] | None = None) -> dict[st
     from safetensors.torch import load_file
 
     prefix = "extra/method/old."
-    saved = {k[len(prefix):]: v for k, v in load_file(str(ckpt / f"fv_rank_{rank}.safetensors")).items() if k.startswith(prefix)}
+    tensors = load_file(str(ckpt / f"fv_rank_{rank}.safetensors"))
+    saved = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     assert saved
     return {names[int(k)] if names and k.isdigit() else k: v for k, v in saved.items()}
 
@@ -147,16 +148,18 @@ def max_diff(a: dict, b: dict) -> float:
 def captions(data_path: str) -> list[str]:
     import pyarrow.parquet as pq
 
-    return [c for f in sorted(Path(data_path).glob("*.parquet")) for c in pq.read_table(f, columns=["caption"]).column("caption").to_pylist()]
+    files = sorted(Path(data_path).glob("*.parquet"))
+    return [c for f in files for c in pq.read_table(f, columns=["caption"]).column("caption").to_pylist()]
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, tiny_data_path):
+def ddp_runs(tmp_path_factory, tiny_data_path):
     """4 optimizer steps (2 outer steps) under DDP, a checkpoint at the last (each rank's old
     policy); then the same with a LoRA student (rewards recorded for the first run only)."""
     root = tmp_path_factory.mktemp("nft_ddp")
     last = {"training.checkpoint.training_state_checkpointing_steps": STEPS}
-    runs = [nft_run("ddp", root, tiny_data_path, "launch", **last), nft_run("ddp_lora", root, tiny_data_path, "launch", **last, **LORA)]
+    runs = [nft_run("ddp", root, tiny_data_path, "launch", **last),
+            nft_run("ddp_lora", root, tiny_data_path, "launch", **last, **LORA)]
     records = launch("accelerate_configs/cpu_2proc.yaml", runs, root, reward_log=root / "rewards")
     return root, records
 
@@ -175,31 +178,33 @@ def fsdp2_runs(tmp_path_factory, tiny_data_path):
         # done, and the main process may still hold the stopped run's output_dir lock.
         nft_run("resumed", root, tiny_data_path, "fsdp2", **every, **{
             "training.checkpoint.resume_from_checkpoint": str(root / "stopped" / "out" / "checkpoint-3")}),
-        nft_run("lora", root, tiny_data_path, "fsdp2", **LORA, **{"training.checkpoint.training_state_checkpointing_steps": STEPS}),
+        nft_run("lora", root, tiny_data_path, "fsdp2", **LORA,
+                **{"training.checkpoint.training_state_checkpointing_steps": STEPS}),
     ]
     return root, launch("accelerate_configs/fsdp2.yaml", runs, root, "--mixed_precision", "no")
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_ddp_ranks_sample_k_repeat_slices_and_share_advantages_and_weights(ddp_run, tiny_data_path):
+def test_ddp_ranks_sample_k_repeat_slices_and_share_advantages_and_weights(ddp_runs, tiny_data_path):
     from safetensors.torch import load_file
 
     from fv_accel.methods.rl.diffusion_nft import group_advantages
     from fv_accel.methods.rl.sampling import k_repeat_rows
 
-    root, records = ddp_run
+    root, records = ddp_runs
     ranks = records["ddp"]
     assert [r["distributed_type"] for r in ranks] == ["DistributedType.MULTI_CPU"] * 2
     assert [[s["step"] for s in r["steps"]] for r in ranks] == [list(range(1, STEPS + 1))] * 2
 
     # Each rank scored its slice of the K-repeat choice of every sampling batch (seed data.seed +
     # (outer - 1) x num_batches_per_epoch + batch): 2 prompts, each twice over the 2 ranks.
-    scored = [[json.loads(line) for line in (root / "rewards" / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    scored = [list(map(json.loads, (root / "rewards" / f"rank{r}.jsonl").read_text().splitlines())) for r in (0, 1)]
     outers = STEPS // STEPS_PER_OUTER
     # The launch's runs one after the other: "ddp"'s sampling batches, then "ddp_lora"'s (the same prompts).
     assert [len(s) for s in scored] == [2 * outers * BATCHES] * 2
-    assert all([b["prompts"] for b in s[outers * BATCHES:]] == [b["prompts"] for b in s[: outers * BATCHES]] for s in scored)
+    for s in scored:
+        assert [b["prompts"] for b in s[outers * BATCHES:]] == [b["prompts"] for b in s[: outers * BATCHES]]
     scored = [s[: outers * BATCHES] for s in scored]
     text = captions(tiny_data_path)
     split = 0
@@ -260,22 +265,22 @@ def test_ddp_ranks_sample_k_repeat_slices_and_share_advantages_and_weights(ddp_r
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_fsdp2_shards_every_role_updates_the_old_policy_and_resumes_mid_outer_step_bitwise(fsdp2_runs, ddp_run):
+def test_fsdp2_shards_every_role_updates_the_old_policy_and_resumes_mid_outer_step_bitwise(fsdp2_runs, ddp_runs):
     from safetensors.torch import load_file
 
     root, records = fsdp2_runs
-    ddp_root, ddp_records = ddp_run
+    ddp_root, ddp_records = ddp_runs
     ddp_ranks = ddp_records["ddp"]
     for name in ("straight", "stopped", "resumed"):
         for rec in records[name]:
-            assert rec["distributed_type"] == "DistributedType.FSDP" and rec["is_fsdp2"] and rec["param_type"] == "DTensor"
+            assert (rec["distributed_type"], rec["is_fsdp2"], rec["param_type"]) == ("DistributedType.FSDP", True, "DTensor")
     # Student, old and reference are sharded: each rank holds its part of each.
     for start, folder in ((0, "straight"), (3, "resumed")):
         layouts = [json.loads((root / folder / f"roles_start{start}_rank{r}.json").read_text()) for r in (0, 1)]
         for role in ("student", "old", "reference"):
-            full = layouts[0][role]["full"]
+            full, local = layouts[0][role]["full"], [lay[role]["local"] for lay in layouts]
             assert [lay[role]["types"] for lay in layouts] == [["DTensor"], ["DTensor"]], role
-            assert layouts[0][role]["local"] + layouts[1][role]["local"] == full and layouts[0][role]["local"] < full, role
+            assert sum(local) == full and max(local) < full, (role, local, full)
 
     # FSDP2 trains what DDP trains: the same losses and final student, and the old policy's update
     # on the shards gives the DDP run's old policy.
@@ -297,13 +302,15 @@ def test_fsdp2_shards_every_role_updates_the_old_policy_and_resumes_mid_outer_st
     assert any(shards[0][k].shape != ddp_old[k].shape for k in ddp_old)  # each rank saved its shards
     gathered = {k: torch.cat([shards[0][k], shards[1][k]]) for k in ddp_old}
     assert max_diff(gathered, ddp_old) < WEIGHT_TOL
-    assert max_diff(gathered, ddp_final) < 0.01 * max_diff(ddp_final, load_file(str(ddp_root / "records" / "ddp" / "init.safetensors")))
+    ddp_init = load_file(str(ddp_root / "records" / "ddp" / "init.safetensors"))
+    assert max_diff(gathered, ddp_final) < 0.01 * max_diff(ddp_final, ddp_init)  # it follows the student
 
     # Stopped at step 3 (inside outer step 2): its checkpoint holds the outer step's samples and
     # each rank's old policy shards; resumed, the run ends bitwise where the straight run ends.
     stopped_ckpt = root / "stopped" / "out" / "checkpoint-3"
     tensors = load_file(str(stopped_ckpt / "fv_rank_1.safetensors"))
-    assert int(tensors["extra/method/outer.iteration"]) == 2 and tensors["extra/method/outer.x0"].shape[0] == BATCHES * PER_RANK
+    assert int(tensors["extra/method/outer.iteration"]) == 2
+    assert tensors["extra/method/outer.x0"].shape[0] == BATCHES * PER_RANK  # this rank's samples of outer step 2
     resumed = records["resumed"]
     assert [r["start_step"] for r in resumed] == [3, 3] and [s["step"] for s in resumed[0]["steps"]] == [STEPS]
     for r in (0, 1):
@@ -320,11 +327,11 @@ def test_fsdp2_shards_every_role_updates_the_old_policy_and_resumes_mid_outer_st
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_fsdp2_lora_old_adapter_follows_the_trained_adapter_as_under_ddp(fsdp2_runs, ddp_run):
+def test_fsdp2_lora_old_adapter_follows_the_trained_adapter_as_under_ddp(fsdp2_runs, ddp_runs):
     """With a LoRA student the old policy is a second adapter: under FSDP2 its update reaches the
     sharded adapter the model computes with, and ends where the DDP run's does."""
     root, records = fsdp2_runs
-    ddp_root, ddp_records = ddp_run
+    ddp_root, ddp_records = ddp_runs
     assert all(rec["is_fsdp2"] for rec in records["lora"])
     ddp_ckpt = Path(ddp_records["ddp_lora"][0]["output_dir"]) / f"checkpoint-{STEPS}"
     ddp_old = old_policy(ddp_ckpt, 0)

@@ -329,3 +329,53 @@ def test_dmd2_ti2v_image_to_video_feeds_every_role_the_clean_condition_frame_at_
         assert t.ndim == 2 and torch.all(t[:, 0] == 0) and torch.all(t[:, 1:] > 0), role
     after = method.student.transformer.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_nft_ti2v_image_to_video_samples_and_trains_with_each_prompts_clean_condition_frame(tmp_path, variant_dirs):
+    """A TI2V image-to-video DiffusionNFT run: every forward of the student, the old policy and the
+    reference (sampling and training) sees the prompt row's own first latent frame clean at timestep
+    0, the samples keep it, and the student trains."""
+    from test_nft import NFT_RECIPE, nft_overrides
+
+    model, data = variant_dirs["wan22_ti2v"]
+    over = nft_overrides(tmp_path, str(data), **{
+        "models.student.transformer_config": None, "models.student.init_from": str(model), "models.student.task": "i2v",
+        "training.data.text_max_length": 512, "method.sample_train_batch_size": 2, "method.num_batches_per_epoch": 1,
+        "training.loop.max_train_steps": 1,
+    })
+    run = build_from_config(NFT_RECIPE, over)
+    method = run.method
+    clean = {}
+    original = method.sampling_batch
+
+    def sampling_batch(batch):
+        tb, shape = original(batch)
+        clean["first"] = tb.conditioning.extras["clean_condition"].clone()
+        return tb, shape
+
+    method.sampling_batch = sampling_batch
+    seen = []
+    for name, role in (("student", method.student), ("old", method.old), ("reference", method.reference)):
+        real = role.forward
+
+        def forward(x, t, cond, _real=real, _name=name):
+            seen.append((_name, t.detach().clone(), x[:, :, :1].detach().clone()))
+            return _real(x, t, cond)
+
+        role.forward = forward
+    before = {k: v.clone() for k, v in method.student.transformer.state_dict().items()}
+    summary = Trainer(run).run()
+    assert summary["steps"] == 1
+    assert {n for n, _, _ in seen} == {"student", "old", "reference"}
+    for name, t, first in seen:
+        assert t.ndim == 2 and torch.all(t[:, 0] == 0) and torch.all(t[:, 1:] > 0), name
+    # The sampler's forwards (the old policy's first 2, at 2 steps) see the batch's condition frames
+    # exactly; every training forward sees, for each sample, one of them (the sample's own).
+    sampling = [first for name, _, first in seen if name == "old"][:2]
+    assert all(torch.equal(f, clean["first"].to(f.dtype)) for f in sampling)
+    conditions = clean["first"].flatten(1)
+    for name, _, first in seen[2:]:
+        for row in first.flatten(1):
+            assert any(torch.equal(row, c.to(row.dtype)) for c in conditions), name
+    after = method.student.transformer.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -33,7 +33,7 @@ import torch
 
 from fv_accel.config import ConfigError, nft_train_timesteps
 from fv_accel.methods.base import LogScalar, TrainingMethod
-from fv_accel.methods.rl.sampling import k_repeat_rows, sample_policy, sampling_schedule
+from fv_accel.methods.rl.sampling import CLEAN_CONDITION, k_repeat_rows, sample_policy, sampling_schedule, with_clean_condition
 from fv_accel.models.base import Conditioning, ModelBase, TrainingBatch
 from fv_accel.schedulers import randn
 from fv_accel.seeding import derived_seed
@@ -185,12 +185,11 @@ class DiffusionNFTMethod(TrainingMethod):
         super().__init__(cfg=cfg, role_models=role_models)
         self._require_trainable_student("DiffusionNFTMethod")
         self.lora = bool(cfg.models.student.lora.enable)
-        self._old_pairs: Optional[list] = None
         if self.lora:
             # One base: the old policy is a second adapter over the student's, the reference the base alone.
             from fv_accel.models.lora import add_frozen_adapter
 
-            self._old_pairs = add_frozen_adapter(self.student.transformer, OLD_ADAPTER)
+            add_frozen_adapter(self.student.transformer, OLD_ADAPTER)
             role_models = {**role_models, "old": AdapterView(self.student, OLD_ADAPTER),
                            "reference": AdapterView(self.student, None)}
         missing = [r for r in ROLES if r not in role_models]
@@ -200,8 +199,6 @@ class DiffusionNFTMethod(TrainingMethod):
         for name in ("old", "reference"):
             if role_models[name]._trainable:
                 raise ValueError(f"DiffusionNFTMethod requires {name} to be frozen (models.{name}.trainable: false)")
-        if self.student.capabilities.image_conditioning and getattr(self.student, "task", "t2v") == "i2v":
-            raise ConfigError("method.name diffusion_nft: image-to-video students are not supported yet; train a text-to-video student")
         self._attn_kind = self._infer_attn_kind()
         self._parse_recipe(cfg.method)
         self._init_student()
@@ -333,23 +330,35 @@ class DiffusionNFTMethod(TrainingMethod):
         self.outer = None
 
     def old_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(student, old) parameter pairs: the whole models', or with LoRA the two adapters'."""
-        if self._old_pairs is not None:
-            return self._old_pairs
-        return list(zip(self.student.transformer.parameters(), self.old.transformer.parameters(), strict=True))
+        """(student, old) parameter pairs: the whole models', or with LoRA the two adapters', read from
+        the modules at each call (FSDP2's prepare replaces the parameters), each this process's shards."""
+        if not self.lora:
+            return list(zip(sharded_parameters(self.student.transformer), sharded_parameters(self.old.transformer), strict=True))
+        from fv_accel.models.lora import ADAPTER_NAME
+
+        sharded_parameters(self.student.transformer)
+        named = dict(self.student.transformer.named_parameters())
+        return [(p, named[n.replace(f".{ADAPTER_NAME}.", f".{OLD_ADAPTER}.")]) for n, p in named.items() if f".{ADAPTER_NAME}." in n]
 
     @torch.no_grad()
     def update_old_policy(self, iteration: int) -> None:
         """old <- decay * old + (1 - decay) * student, decay = return_decay(iteration, decay_type);
         the drift (mean squared change) is logged with the next outer step."""
         decay = return_decay(iteration, int(self.cfg.method.decay_type))
-        drift, count = 0.0, 0
+        drift = torch.zeros((), dtype=torch.float64, device=self.device)
+        count, sharded = 0, False
         for src, tgt in self.old_pairs():
             new = tgt.detach() * decay + src.detach() * (1.0 - decay)
-            drift += float((new.float() - tgt.float()).pow(2).sum())
-            count += tgt.numel()
+            change = (new.float() - tgt.float()).pow(2).sum()
+            sharded = sharded or hasattr(change, "to_local")
+            drift += local_tensor(change).double()  # under FSDP2 this process's shards' part
+            count += tgt.numel()  # a DTensor's numel is the whole parameter's
             tgt.copy_(new)
-        self._old_drift = drift / max(1, count)
+        if sharded:
+            from accelerate.utils import reduce
+
+            drift = reduce(drift, reduction="sum")
+        self._old_drift = float(drift) / max(1, count)
 
     # ---- sampling, decoding, scoring ----
     def sample_outer_step(self, iteration: int) -> OuterStep:
@@ -459,6 +468,11 @@ class DiffusionNFTMethod(TrainingMethod):
         from fv_accel.data.loader import rollout_latent_shape
 
         cond = self.student.build_conditioning(batch)
+        if cond.clean_frames:  # image-to-video by frame replacement: each prompt row's own first frames
+            if batch.get("vae_latent") is None:
+                raise ConfigError("method.name diffusion_nft: an image-to-video student takes its condition frames from the "
+                                  "rows' clips; this dataset is text-only: preprocess clips (python -m fv_accel.preprocess --input ...)")
+            cond.extras[CLEAN_CONDITION] = self.student.clean_latents(batch)[:, :, : cond.clean_frames]
         b = int(batch["sample_index"].shape[0])
         if batch.get("vae_latent") is not None:
             shape = (b, *batch["vae_latent"].shape[1:])
@@ -575,10 +589,16 @@ class DiffusionNFTMethod(TrainingMethod):
         t = (timestep.float() / float(self.table.num_train_timesteps)).view(-1, *([1] * (x0.ndim - 1)))
         noise = randn((x0.shape[0], x0.shape[2], x0.shape[1], *x0.shape[3:]), self._noise_generator, x0.device).permute(0, 2, 1, 3, 4)
         xt = ((1 - t) * x0 + t * noise).to(x0.dtype)
+        model_t = timestep
+        k = tb.conditioning.clean_frames
+        if k:  # the condition frames go in clean at timestep 0 and carry no loss
+            xt, model_t = with_clean_condition(xt, timestep, tb.conditioning)
         with torch.no_grad():
-            old = self._predict(self.old, xt, timestep, tb).detach()
-            ref = self._predict(self.reference, xt, timestep, tb).detach()
-        pred = self._predict(self.student, xt, timestep, tb)
+            old = self._predict(self.old, xt, model_t, tb).detach()
+            ref = self._predict(self.reference, xt, model_t, tb).detach()
+        pred = self._predict(self.student, xt, model_t, tb)
+        if k:
+            x0, xt, old, ref, pred = (v[:, :, k:] for v in (x0, xt, old, ref, pred))
         a = clip_advantages(adv, clip_max, mc.adv_mode)
         r = torch.clamp((a / clip_max) / 2.0 + 0.5, 0, 1)
         dims = tuple(range(1, x0.ndim))
@@ -655,6 +675,19 @@ def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         return values.mean()
     w = valid.to(values.dtype)
     return (values * w).sum() / w.sum().clamp_min(1)
+
+
+def sharded_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """`module.parameters()` as the optimizer holds them (under FSDP2 DTensor shards). FSDP2 leaves the
+    parameters of a root module (and of groups wrapped with reshard_after_forward False) gathered
+    after a forward that no backward follows, a frozen role's: plain tensors that writes would not
+    reach the shards through. Resharding first makes every parameter its shard again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return list(module.parameters())
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

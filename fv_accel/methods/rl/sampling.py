@@ -85,9 +85,12 @@ def sample_policy(
     device = tb.conditioning.text.device if tb.conditioning.text is not None else None
     current = randn_fastvideo(shape, generator, device)
     batch = current.shape[0]
+    k = tb.conditioning.clean_frames
 
     def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         t_in = t.reshape(1).expand(batch).contiguous()
+        if k:  # image-to-video by frame replacement: the condition frames go in clean, at timestep 0
+            x, t_in = with_clean_condition(x, t_in, tb.conditioning)
         if predict is not None:
             return predict(role, x, t_in, tb)
         return role.predict_noise(x, t_in, tb, conditional=True, attn_kind="dense")
@@ -98,7 +101,7 @@ def sample_policy(
             v = velocity(current, t)
             dt = schedule.sigmas[i + 1] - schedule.sigmas[i]
             current = (current.float() + dt * v).to(v.dtype)
-        return current
+        return with_clean_condition(current, None, tb.conditioning)[0] if k else current
     table = role.training_table(current.shape)
     x0 = current
     for i, t in enumerate(timesteps):
@@ -107,4 +110,22 @@ def sample_policy(
         if i < len(timesteps) - 1:
             noise = randn_fastvideo(shape, generator, device)
             current = table.add_noise_at(x0, noise, timesteps[i + 1].reshape(1))
-    return x0
+    return with_clean_condition(x0, None, tb.conditioning)[0] if k else x0
+
+
+# Where an image-to-video conditioning keeps the clean latent frames of its condition.
+CLEAN_CONDITION = "clean_condition"
+
+
+def with_clean_condition(x: torch.Tensor, t: Optional[torch.Tensor], cond: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """x [B, C, T, H, W] with its first `cond.clean_frames` frames replaced by the clean condition,
+    and the timestep [B] made per frame [B, T] with 0 on those frames (as the family's
+    image-to-video pipeline feeds them)."""
+    k = cond.clean_frames
+    clean = cond.extras[CLEAN_CONDITION].to(x.dtype)
+    x = torch.cat([clean, x[:, :, k:]], dim=2)
+    if t is None:
+        return x, None
+    per_frame = t.float().reshape(-1, 1).expand(x.shape[0], x.shape[2]).clone()
+    per_frame[:, :k] = 0.0
+    return x, per_frame
