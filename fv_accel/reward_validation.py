@@ -80,20 +80,23 @@ class RewardValidationCallback(TrainerCallback):
         role.transformer.eval()
         with context:
             for p, (prompt, cond, latent) in enumerate(zip(self.prompts, self.conditioning, self.shapes)):
-                shape = (n, *latent)
-                tb = TrainingBatch(conditioning=_repeat(cond, n))
-                gens = [torch.Generator(device=method.device).manual_seed(_seed(spec.seed, p, v)) for v in range(n)]
-                schedule = sampling_schedule(method.sampling_shift(shape), sampling, method.device)
-                x0 = sample_policy(role, tb, shape, schedule, sampling.trajectory, gens, predict=method.predict_override)
-                clips = method.decode_for_reward(x0)
-                result, invalid = method.score(clips, [prompt] * n)
-                for name, value in result.items():
-                    kept = value[~invalid.to(value.device)]
-                    scores.setdefault(name, []).extend(kept.float().cpu().tolist())
-                frames = clips.numpy() if isinstance(clips, torch.Tensor) else clips
-                stats += [video_statistics(f) for f in frames] if frames.ndim == 5 else []
-                if step is not None and spec.log_samples and trainer.accelerator.is_main_process and frames.ndim == 5:
-                    self.write_sample(trainer, step, p, frames[0])
+                # In batches of at most `batch_size`; each sample's own generator keeps the figures the same.
+                for start in range(0, n, spec.batch_size):
+                    k = min(spec.batch_size, n - start)
+                    shape = (k, *latent)
+                    tb = TrainingBatch(conditioning=_repeat(cond, k))
+                    gens = [torch.Generator(device=method.device).manual_seed(_seed(spec.seed, p, start + v)) for v in range(k)]
+                    schedule = sampling_schedule(method.sampling_shift(shape), sampling, method.device)
+                    x0 = sample_policy(role, tb, shape, schedule, sampling.trajectory, gens, predict=method.predict_override)
+                    clips = method.decode_for_reward(x0)
+                    result, invalid = method.score(clips, [prompt] * k)
+                    for name, value in result.items():
+                        kept = value[~invalid.to(value.device)]
+                        scores.setdefault(name, []).extend(kept.float().cpu().tolist())
+                    frames = clips.numpy() if isinstance(clips, torch.Tensor) else clips
+                    stats += [video_statistics(f) for f in frames] if frames.ndim == 5 else []
+                    if start == 0 and step is not None and spec.log_samples and trainer.accelerator.is_main_process and frames.ndim == 5:
+                        self.write_sample(trainer, step, p, frames[0])
         role.transformer.train(was_training)
         figures = {f"reward/{k}": float(np.mean(v)) if v else float("nan") for k, v in scores.items()}
         figures.update({f"reward/{k}_std": float(np.std(v)) if v else float("nan") for k, v in scores.items()})

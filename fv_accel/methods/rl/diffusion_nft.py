@@ -373,20 +373,21 @@ class DiffusionNFTMethod(TrainingMethod):
             tb, shape = self.sampling_batch(batch)
             if schedule is None:
                 schedule = sampling_schedule(self.sampling_shift(shape), self.cfg.method.sampling, self.device)
-            t1 = time.perf_counter()
+            t1 = self._clock()
             generator: Any = self.cuda_generator
             if self.per_sample:
                 _, rank = self.data_parallel_world()
                 generator = self.sample_generators("nft-sample", iteration, b, count=shape[0], first=rank * shape[0])
             x0 = sample_policy(self.old, tb, shape, schedule, self.cfg.method.sampling.trajectory, generator,
                                predict=self.predict_override)
-            t2 = time.perf_counter()
+            t2 = self._clock()
             clips = self.decode_for_reward(x0)
-            t3 = time.perf_counter()
+            t3 = self._clock()
             scores, invalid = self.score(clips, batch_prompts)
+            t4 = self._clock()
             timing["sample_s"] += t2 - t1
             timing["decode_s"] += t3 - t2
-            timing["score_s"] += time.perf_counter() - t3
+            timing["score_s"] += t4 - t3
             xs.append(x0.detach())
             conds.append(tb.conditioning)
             prompts += batch_prompts
@@ -404,6 +405,12 @@ class DiffusionNFTMethod(TrainingMethod):
         metrics.update(timing, old_drift=self._old_drift, outer_step=float(iteration),
                        outer_s=time.perf_counter() - t0)
         return OuterStep(iteration, x0, cond, train_t[None].expand(x0.shape[0], -1).clone(), adv, valid, metrics)
+
+    def _clock(self) -> float:
+        """perf_counter once the device's queued work is done (the phase times are their kernels')."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     # A stand-in for the roles' predictions (tests): predict(role, x, t, tb) -> velocity.
     predict_override: Any = None
