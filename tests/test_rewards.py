@@ -256,6 +256,18 @@ def test_tiny_left_scores_where_the_shape_ends():
     assert rewards.last_invalid.tolist() == [False] * 4
 
 
+def test_tiny_speed_scores_how_far_the_shape_travels():
+    rewards = build_rewards({"tiny_speed": 1.0})
+    clips = torch.cat([
+        square_clip([4, 10, 16]),        # 12 px of 32
+        square_clip([20, 20, 20]),       # still: 0
+        square_clip([None, 8, 26]),      # from the first frame that shows it: 18 px
+        square_clip([None, None, 9]),    # shown once: 0
+    ])
+    scores = rewards(clips, ["a", "b", "c", "d"])["tiny_speed"]
+    torch.testing.assert_close(scores, torch.tensor([12 / 32, 0.0, 18 / 32, 0.0]), atol=1e-6, rtol=0)
+
+
 # ---- the user's module:function ----------------------------------------------------------------
 
 USER_MODULE = """
