@@ -31,6 +31,8 @@ def nft_overrides(tmp_path: Path, data_path: str, **extra) -> dict:
         "method.num_video_per_prompt": 2,
         "method.num_batches_per_epoch": 2,
         "method.train_batch_size": 2,
+        "method.validation.every_steps": 0,
+        "method.validation.prompts": [],
         "training.data.data_path": data_path,
         "training.data.train_batch_size": 2,
         "training.data.text_max_length": 16,

@@ -112,6 +112,7 @@ class OuterStep:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = {"iteration": torch.tensor(self.iteration), "epoch": torch.tensor(self.epoch), "x0": self.x0,
+               "clean_frames": torch.tensor(self.cond.clean_frames),
                "timesteps": self.timesteps, "advantages": self.advantages, "valid": self.valid.to(torch.uint8)}
         for name in self.COND_FIELDS:
             if getattr(self.cond, name) is not None:
@@ -124,9 +125,9 @@ class OuterStep:
         return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
     @classmethod
-    def from_state(cls, t: dict[str, torch.Tensor], device: torch.device, clean_frames: int) -> "OuterStep":
+    def from_state(cls, t: dict[str, torch.Tensor], device: torch.device) -> "OuterStep":
         on = {k: v.to(device) for k, v in t.items()}
-        cond = Conditioning(clean_frames=clean_frames, **{n: on[f"cond.{n}"] for n in cls.COND_FIELDS if f"cond.{n}" in on},
+        cond = Conditioning(clean_frames=int(t["clean_frames"]), **{n: on[f"cond.{n}"] for n in cls.COND_FIELDS if f"cond.{n}" in on},
                             extras={k[len("cond_extra."):]: v for k, v in on.items() if k.startswith("cond_extra.")})
         metrics = {k[len("metric."):]: float(v) for k, v in t.items() if k.startswith("metric.")}
         outer = cls(int(t["iteration"]), on["x0"], cond, on["timesteps"], on["advantages"], on["valid"].bool(), metrics)
@@ -281,17 +282,13 @@ class DiffusionNFTMethod(TrainingMethod):
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
-    def outer_step_of(self, step: int) -> int:
-        """The 1-based outer step that optimizer step `step` (1-based) belongs to."""
-        return (step - 1) // self.steps_per_outer + 1
-
     def outer_for(self, iteration: int, position: int) -> OuterStep:
         """Outer step `iteration`'s samples: the one in progress, the checkpoint's, or sampled now
         (only at its start: a position inside it without saved samples cannot be rebuilt)."""
         if self.outer is not None and self.outer.iteration == iteration:
             return self.outer
         if self._restored is not None and int(self._restored["iteration"]) == iteration:
-            self.outer = OuterStep.from_state(self._restored, self.device, 0)
+            self.outer = OuterStep.from_state(self._restored, self.device)
             self._restored = None
             return self.outer
         if position != 0:
@@ -399,7 +396,7 @@ class DiffusionNFTMethod(TrainingMethod):
         valid = torch.cat(valids)
         adv, adv_all, metrics = self.advantages(reward, prompts, valid)
         if self.per_sample:  # every process keeps every process's samples (gathered in rank order)
-            x0, valid, adv = self.gather(x0), self.gather(valid), adv_all
+            x0, valid, adv = self.gather(x0.contiguous()), self.gather(valid), adv_all
             cond = gather_conditioning(cond, self.gather)
         train_t = schedule.timesteps[: self.n_t]
         metrics.update(timing, old_drift=self._old_drift, outer_step=float(iteration),
