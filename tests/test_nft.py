@@ -4,6 +4,7 @@ that sample from its group, and what cannot run is refused in one line naming th
 
 from __future__ import annotations
 
+import math
 import textwrap
 from pathlib import Path
 
@@ -111,16 +112,20 @@ def test_a_nan_reward_drops_its_sample_from_the_group_and_is_named_once(tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))
     run = build_from_config(NFT_RECIPE, nft_overrides(tmp_path, tiny_data_path, **{
         "method.reward_fn": [{"name": "nan_rewards:brightness", "weight": 1.0}], "training.loop.max_train_steps": 2}))
+    trainer = Trainer(run)
     with caplog.at_level("WARNING"):
-        Trainer(run).run()
+        trainer.run()
     import nan_rewards
 
     assert nan_rewards.CALLS == [2, 2]
     # One warning per reward, naming the prompt, though both sampling batches had a NaN.
     named = [r for r in caplog.records if "nan_rewards:brightness" in r.getMessage()]
     assert len(named) == 1
-    outer_valid = run.method._last_valid if hasattr(run.method, "_last_valid") else None
-    del outer_valid
+    # Each sampling batch's first sample is dropped: 2 of the outer step's 4, and the advantages of the
+    # others are finite (their groups computed without it); the dropped ones carry advantage 0.
+    logged = [h for h in trainer.history if "reward/dropped" in h]
+    assert logged and all(h["reward/dropped"] == 2 for h in logged)
+    assert all(math.isfinite(h["advantage/std"]) and math.isfinite(h["loss"]) for h in logged)
 
 
 def test_refusals_are_one_line_naming_the_key(tmp_path, tiny_data_path):
