@@ -167,6 +167,10 @@ def plot_throughput(series: Series, out: Path) -> Optional[Path]:
 def plot_reward(series: Series, out: Path) -> Optional[Path]:
     held = sorted(k for k in series if k.startswith("validation/reward/") and not k.endswith("_std"))
     trained = sorted(k for k in series if k.startswith("reward/") and not k.endswith("_std") and k != "reward/dropped")
+    if len(held) == 2:  # one reward: its weighted sum `avg` is the same curve
+        held = [k for k in held if not k.endswith("/avg")]
+    if len(trained) == 2:
+        trained = [k for k in trained if not k.endswith("/avg")]
     if not held and not trained:
         return None
     plt, fig, axes = _figure(2)

@@ -115,3 +115,36 @@ def test_throughput_plot_gives_samples_and_tokens_an_axis_each(tmp_path, monkeyp
     labels = [ax.get_ylabel() for ax in fig.axes]
     assert labels == ["samples/s", "latent tokens/s", "seconds", "GiB"]  # no twin axis drawn over another
     assert [len(ax.lines) for ax in fig.axes[:2]] == [1, 1]
+
+
+def test_reward_plot_draws_the_held_out_reward_beside_the_reference_and_the_kl(tmp_path, monkeypatch):
+    """plots/reward.png of a reward-training log: the held-out reward and the training samples' (one
+    reward: its `avg` is not drawn twice), the reference's as a line, the KL term below."""
+    from fv_accel import plot
+
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    rows = [{"step": 0, "validation/reference/reward/tiny_speed": 0.31, "validation/reference/reward/avg": 0.31}]
+    rows += [{"step": s, "reward/tiny_speed": 0.3 + s / 100, "reward/avg": 0.3 + s / 100, "kl_div_loss": 1e-3 * s,
+              "validation/reward/tiny_speed": 0.31 + s / 1000, "validation/reward/avg": 0.31 + s / 1000} for s in (1, 2, 3)]
+    (logs / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    drawn = []
+    real = plot._figure
+
+    def figure(rows_):
+        plt, fig, axes = real(rows_)
+        for ax in axes:
+            original = ax.plot
+
+            def record(*a, _original=original, **k):
+                drawn.append(k.get("label"))
+                return _original(*a, **k)
+
+            ax.plot = record
+        return plt, fig, axes
+
+    monkeypatch.setattr(plot, "_figure", figure)
+    path = plot.plot_reward(plot.read_metrics(tmp_path / "run"), tmp_path)
+    assert path is not None and path.is_file()
+    assert drawn == ["training samples' tiny_speed", "held-out tiny_speed", "KL term to the reference"]
+    assert plot.plot_reward({"loss": ([1], [1.0])}, tmp_path / "none") is None
