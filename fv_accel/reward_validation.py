@@ -128,9 +128,9 @@ class RewardValidationCallback(TrainerCallback):
             if side is None:
                 continue
             what = "collapsing (static, solid)" if side == "below" else "diverging (flicker, noise)"
-            message = (f"step {step}: the student's held-out samples are {what}: {name} {ours:.4f}, {side} "
-                       f"{ratio:g}{'x' if side == 'below' else ''} the reference's {ref:.4f}"
-                       f"{'' if side == 'below' else f' / {ratio:g}'} (callbacks.validation.collapse_ratio)")
+            bound = f"{ratio:g} x the reference's {ref:.4f}" if side == "below" else f"the reference's {ref:.4f} / {ratio:g}"
+            message = (f"step {step}: the student's held-out samples are {what}: {name} {ours:.4f}, {side} {bound} "
+                       "(callbacks.validation.collapse_ratio)")
             logger.warning("%s", message)
             if val.stop_on_collapse:
                 trainer.request_stop(f"callbacks.validation.stop_on_collapse ({message})")

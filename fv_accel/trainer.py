@@ -694,8 +694,7 @@ class Trainer:
         progress = self._progress = progress_bar(
             loop.max_steps, "train", show=acc.is_local_main_process, unit="step", initial=self.step
         )
-        # The method's micro-batches: by default the loader's next batches, read and moved to the
-        # device in the background while a step computes.
+        # The method's micro-batches (by default the loader's, read ahead while a step computes).
         batches = self.method.train_batches(self.dataloader, acc.device, self.step)
         t_start = time.perf_counter()
         stopped_by: Optional[str] = None

@@ -213,3 +213,32 @@ def test_the_memory_estimate_counts_a_reward_model_from_its_config(tmp_path, tin
         "method.reward_fn": [{"name": "clipscore", "model": str(folder)}, {"name": "tiny_left"}]}))
     note = [n for n in estimate_memory(cfg, {"WORLD_SIZE": "1"}).notes if "rewards:" in n][0]
     assert f"clipscore {folder}: {count:,} parameters" in note and "tiny_left: no model" in note
+
+
+def test_the_sample_watch_warns_on_both_sides_of_the_reference_in_one_line(tmp_path, tiny_data_path, caplog):
+    from fv_accel.config import load_config
+    from fv_accel.reward_validation import RewardValidationCallback
+
+    cfg = load_config(NFT_RECIPE, nft_overrides(tmp_path, tiny_data_path, **{"callbacks.validation.stop_on_collapse": True}))
+    watch = RewardValidationCallback(cfg)
+    watch.reference = {"temporal_variation": 0.010, "colour_spread": 0.070}
+    stops = []
+
+    class Run:
+        def request_stop(self, reason):
+            stops.append(reason)
+
+    cases = [({"temporal_variation": 0.011, "colour_spread": 0.05}, None),
+             ({"temporal_variation": 0.030, "colour_spread": 0.07}, "diverging"),
+             ({"temporal_variation": 0.010, "colour_spread": 0.02}, "collapsing")]
+    for figures, expected in cases:
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            watch.watch(Run(), 8, figures)
+        lines = [r.getMessage() for r in caplog.records]
+        if expected is None:
+            assert not lines
+            continue
+        assert len(lines) == 1 and "\n" not in lines[0] and expected in lines[0] and "step 8" in lines[0]
+    assert "temporal variation 0.0300, above the reference's 0.0100 / 0.5" in stops[0]
+    assert "colour spread 0.0200, below 0.5 x the reference's 0.0700" in stops[1]

@@ -345,6 +345,78 @@ def test_fsdp2_lora_old_adapter_follows_the_trained_adapter_as_under_ddp(fsdp2_r
     assert max_diff({k: torch.cat([shards[0][k], shards[1][k]]) for k in ddp_old}, ddp_old) < WEIGHT_TOL
 
 
+# The 2-process run against the 1-process one with twice the batches: the gradient is averaged over
+# 2 ranks of TRAIN samples where the single process averages 2 x TRAIN, and each model call sees half
+# the batch: float32 rounding in the order of the sums, measured at most ~3e-7 relative on the losses
+# and ~1e-8 on the weights. 1e-5 leaves room for other kernels and is still ~1000x below what the
+# rank-keyed noise (noise_rng rank) changes.
+TRAIN, EQUAL_REL, EQUAL_WEIGHTS = 2, 1e-5, 1e-6
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_per_sample_noise_makes_2_ddp_processes_train_as_1_with_twice_the_batches(tmp_path, tiny_data_path, monkeypatch):
+    """`training.loop.noise_rng: sample`: 2 processes with sampling batches of PER_RANK and training
+    micro-batches of TRAIN give the losses, reward and advantage figures, final student and old
+    policy of 1 process with batches of 2 x PER_RANK and 2 x TRAIN, the same seeds."""
+    from safetensors.torch import load_file
+
+    from fv_accel.build import build_from_config
+    from fv_accel.methods.rl.sampling import k_repeat_rows
+    from fv_accel.trainer import Trainer
+    from test_nft import nft_overrides
+
+    # The K-repeat list of each sampling batch: world 1 with batch 2B is world 2's two slices of B in rank order.
+    rows = range(len(captions(tiny_data_path)))
+    outers = STEPS // STEPS_PER_OUTER
+    for seed in range(outers * BATCHES):
+        both = [k_repeat_rows(rows, batch_size=PER_RANK, repeats=REPEATS, world_size=2, rank=r, seed=seed) for r in (0, 1)]
+        assert k_repeat_rows(rows, batch_size=2 * PER_RANK, repeats=REPEATS, world_size=1, rank=0, seed=seed) == both[0] + both[1]
+
+    common = {"training.loop.noise_rng": "sample", "training.checkpoint.training_state_checkpointing_steps": STEPS}
+    run = nft_run("two", tmp_path, tiny_data_path, "launch", **common,
+                  **{"method.sample_train_batch_size": PER_RANK, "method.train_batch_size": TRAIN})
+    ranks = launch("accelerate_configs/cpu_2proc.yaml", [run], tmp_path)["two"]
+    two_logged = metrics(ranks[0]["output_dir"])
+
+    monkeypatch.syspath_prepend(str(tmp_path))  # the reward module launch() wrote
+    single = build_from_config(RECIPE, nft_overrides(tmp_path / "one", tiny_data_path, **{
+        **REWARD, **common, "training.loop.max_train_steps": STEPS,
+        "method.sample_train_batch_size": 2 * PER_RANK, "method.train_batch_size": 2 * TRAIN}))
+    assert single.method.steps_per_outer == STEPS_PER_OUTER
+    Trainer(single).run()
+    one_logged = metrics(single.cfg.training.checkpoint.output_dir)
+    assert sorted(one_logged) == sorted(two_logged) == list(range(1, STEPS + 1))
+
+    def rel(a: float, b: float) -> float:
+        return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+    # The logged loss of each optimizer step, and the outer step's reward and advantage figures.
+    figures = ("reward/avg", "reward/avg_std", "advantage/abs_mean", "advantage/std")
+    loss_rel = max(rel(one_logged[s]["loss"], two_logged[s]["loss"]) for s in one_logged)
+    figure_rel = max(rel(one_logged[s][k], two_logged[s][k]) for s in one_logged for k in figures)
+    assert loss_rel < EQUAL_REL and figure_rel < EQUAL_REL, (loss_rel, figure_rel)
+    assert len({one_logged[s]["loss"] for s in one_logged}) == STEPS  # 4 different losses, not one repeated
+    assert one_logged[1]["reward/avg"] != one_logged[STEPS]["reward/avg"]  # two outer steps' samples
+
+    # The final student and the old policy (decay_type 1: after outer step 2, 0.2% of itself).
+    names = student_names(tmp_path, "two")
+    student = single.method.student
+    one_student = {k: v.detach().float() for k, v in student._unwrapped().state_dict().items()}
+    two_student = load_file(str(tmp_path / "records" / "two" / "rank0.safetensors"))
+    init = load_file(str(tmp_path / "records" / "two" / "init.safetensors"))
+    moved = max_diff(two_student, init)
+    weight_diff = max_diff(one_student, two_student)
+    one_old = old_policy(Path(single.cfg.training.checkpoint.output_dir) / f"checkpoint-{STEPS}", 0, names)
+    two_old = old_policy(Path(ranks[0]["output_dir"]) / f"checkpoint-{STEPS}", 0, names)
+    old_diff = max_diff(one_old, two_old)
+    print(f"losses rel {loss_rel:.3g}, figures rel {figure_rel:.3g}, student {weight_diff:.3g}, old {old_diff:.3g}, moved {moved:.3g}")
+    assert moved > 1e-4  # it trained
+    for a, b in ((one_student, two_student), (one_old, two_old)):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k].to(a[k].dtype), rtol=EQUAL_WEIGHTS, atol=EQUAL_WEIGHTS, msg=k)
+
+
 def test_deepspeed_is_refused_in_one_line_before_anything_is_built(tmp_path, monkeypatch, capsys):
     from fv_accel.build import check_engine_takes_method
     from fv_accel.cli import main
