@@ -200,6 +200,11 @@ class DiffusionNFTMethod(TrainingMethod):
         for name in ("old", "reference"):
             if role_models[name]._trainable:
                 raise ValueError(f"DiffusionNFTMethod requires {name} to be frozen (models.{name}.trainable: false)")
+        if cfg.training.model.context_parallel.degree > 1:
+            raise ConfigError(
+                "training.model.context_parallel: reward training does not run with context parallelism (each process "
+                "samples and scores its own videos); set ulysses and ring to 1"
+            )
         self._attn_kind = self._infer_attn_kind()
         self._parse_recipe(cfg.method)
         self._init_student()
@@ -395,9 +400,15 @@ class DiffusionNFTMethod(TrainingMethod):
         reward = {k: torch.cat(v) for k, v in rewards.items()}
         valid = torch.cat(valids)
         adv, adv_all, metrics = self.advantages(reward, prompts, valid)
-        if self.per_sample:  # every process keeps every process's samples (gathered in rank order)
-            x0, valid, adv = self.gather(x0.contiguous()), self.gather(valid), adv_all
-            cond = gather_conditioning(cond, self.gather)
+        if self.per_sample:  # every process keeps every process's samples, in the order one process samples them
+            world, _ = self.data_parallel_world()
+            batches = int(self.cfg.method.num_batches_per_epoch)
+
+            def gather(t: torch.Tensor) -> torch.Tensor:
+                return batch_major(self.gather(t.contiguous()), world, batches)
+
+            x0, valid, adv = gather(x0), gather(valid), batch_major(adv_all, world, batches)
+            cond = gather_conditioning(cond, gather)
         train_t = schedule.timesteps[: self.n_t]
         metrics.update(timing, old_drift=self._old_drift, outer_step=float(iteration),
                        outer_s=time.perf_counter() - t0)
@@ -697,6 +708,13 @@ def sharded_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This process's part of a tensor (a DTensor's local shard under FSDP2)."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def batch_major(t: torch.Tensor, world: int, batches: int) -> torch.Tensor:
+    """Samples gathered rank by rank, each rank's batch by batch ([world, batches, b, ...]), put
+    batch by batch, each batch's ranks in order ([batches, world, b, ...]): where one process with
+    batches of world x b holds them (sample number rank x b + i of each batch)."""
+    return t.reshape(world, batches, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
 def gather_conditioning(cond: Conditioning, gather: Any) -> Conditioning:
