@@ -102,6 +102,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--curve", action="store_true", help="the held-out reward curve, NFT vs RFT, on the tiny world")
     p.add_argument("--timing", action="store_true", help="the time split of an outer step on the small model")
+    p.add_argument("--run", type=Path, default=None,
+                   help="a finished tiny_nft run folder: its EMA weights' (else its transformer's) distance to the nearest clip, "
+                        "on the held-out captions and on every caption, against the teacher's")
     g = p.add_argument_group("curve")
     g.add_argument("--student", default=str(DEFAULT_TEACHER), help="the run folder to start from, or 'random' (a one-block inline Wan)")
     g.add_argument("--outer-steps", type=int, default=30, help="NFT outer steps (the recipe's 120 optimizer steps are 30)")
@@ -136,8 +139,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--name", default="nft", help="results go to <name>_curve_<date> and <name>_timing_<date>")
     p.add_argument("--keep", action="store_true", help="keep the scratch run folders")
     args = p.parse_args(argv)
-    if not (args.curve or args.timing):
-        p.error("choose --curve, --timing or both")
+    if not (args.curve or args.timing or args.run):
+        p.error("choose --curve, --timing and/or --run RUN")
     return args
 
 
@@ -817,6 +820,41 @@ def print_verdicts(res: dict) -> bool:
     return all(met for *_, met in verdicts)
 
 
+def run_distances(args: argparse.Namespace, scratch: Path) -> dict:
+    """The finished run's final weights (ema/transformer where the run kept an EMA) against the
+    teacher: distances to the nearest clip of the caption, held-out captions and every caption."""
+    from fv_accel.tiny.modes import ClipModes
+
+    weights = args.run / "ema" if (args.run / "ema" / "transformer").is_dir() else args.run
+    over = {**student_overrides(args.student), "models.student.init_from": str(weights),
+            "models.reference.init_from": args.student, "training.checkpoint.output_dir": str(scratch / "distances"),
+            "training.tracker.trackers": ["none"]}
+    from fv_accel.build import build_from_config
+
+    run = quietly(build_from_config, NFT_RECIPE, over)
+    method = run.method
+    method._loader = run.dataloader
+    modes = ClipModes.load(Path(run.dataloader.dataset.data_path).parent)
+    out = {"run": shown(args.run), "weights": shown(weights), "heldout": list(args.heldout)}
+    for key, captions in (("heldout_captions", list(args.heldout)), ("every_caption", modes.captions)):
+        evaluator = at_seed(prompt_evaluator(run.config, method, run.dataloader, captions), args.val_seed)
+        out[key] = distances(method, {"teacher": method.reference, "final": method.student}, evaluator, modes, args.val_videos)
+    return out
+
+
+def distances_markdown(res: dict, info: dict, command: str) -> str:
+    rows = ["# The tiny NFT run's samples against the nearest clip of their caption", "",
+            f"Command: `{command}`", "", f"Run: {res['run']} (weights {res['weights']}); held out: {res['heldout']}.", "",
+            "| captions | model | latent distance (RMS) | track distance (px) | latent / teacher | track / teacher |",
+            "|---|---|---|---|---|---|"]
+    for key, label in (("heldout_captions", "held-out"), ("every_caption", "every caption")):
+        t = res[key]["teacher"]
+        for name, d in res[key].items():
+            rows.append(f"| {label} | {name} | {d['latent']:.4f} | {d['track_px']:.2f} | {d['latent'] / t['latent']:.3f} | "
+                        f"{d['track_px'] / t['track_px']:.3f} |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -833,6 +871,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             payload = {**res, "machine": info, "command": command, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
                        "load_average_1m_at_end": round(os.getloadavg()[0], 2)}
             C.publish_results(args.out, f"{args.name}_curve_{date}", payload, curve_markdown(payload, info, command))
+        if args.run is not None:
+            res = run_distances(args, scratch / "distances")
+            payload = {**res, "machine": info, "command": command}
+            C.publish_results(args.out, f"{args.name}_distances_{date}", payload, distances_markdown(payload, info, command))
+            C.reset_accelerate_state()
         if args.timing:
             if args.curve:
                 C.reset_accelerate_state()
