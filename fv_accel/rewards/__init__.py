@@ -5,8 +5,8 @@ is imported here, so adding a reward touches only its own file:
 
 - `pickscore`: PickScore (yuvalkirstain/PickScore_v1), as FastVideo and DiffusionNFT compute it;
 - `clipscore`: CLIPScore (openai/clip-vit-large-patch14), as FastVideo computes it;
-- `tiny_left`: the tiny demo's reward, how far left a tiny-world clip's shape ends;
-- `tiny_speed`: how far a tiny-world clip's shape travels;
+- `tiny_left`: how far left a tiny-world clip's shape ends;
+- `tiny_speed`: the tiny demo's reward (configs/tiny_nft.yaml), how far a tiny-world clip's shape travels;
 - `module:function`: the user's own function (fv_accel/rewards/user.py).
 
     spec = parse_reward_fn(cfg.method.reward_fn)   # a one-line ValueError naming the key on a problem

@@ -1,4 +1,4 @@
-"""The tiny demo's reward: how far LEFT the shape of a tiny-world clip ends (no model to load).
+"""A tiny-world reward: how far LEFT the shape of a tiny-world clip ends (no model to load).
 
 A tiny clip (fv_accel/tiny/) holds one coloured shape moving on a plain background. The reward is
 1 - x_end / W, in [0, 1]: x_end the shape's centre x in pixels in the clip's last frame (the
