@@ -17,9 +17,10 @@ import torch
 from fv_accel.rewards.base import Reward, register_reward
 
 
-@register_reward
-class TinyLeft(Reward):
-    name = "tiny_left"
+class TinyTrackReward(Reward):
+    """A tiny-world reward read off the shape's centre track [F, 2] (pixels; NaN where a frame shows
+    no shape) of each clip: `score_track(centres, width)`."""
+
     options: dict = {}
 
     @torch.inference_mode()
@@ -27,9 +28,18 @@ class TinyLeft(Reward):
         from fv_accel.tiny import tiny_shape_centres
 
         width = clips.shape[3]
-        scores = []
-        for clip in clips.cpu().numpy():
-            xs = tiny_shape_centres(clip)[:, 0]
-            shown = xs[np.isfinite(xs)]
-            scores.append(float(np.clip(1.0 - shown[-1] / width, 0.0, 1.0)) if shown.size else 0.0)
+        scores = [self.score_track(tiny_shape_centres(clip), width) for clip in clips.cpu().numpy()]
         return torch.tensor(scores, dtype=torch.float32, device=self.device)
+
+    def score_track(self, centres: np.ndarray, width: int) -> float:
+        raise NotImplementedError
+
+
+@register_reward
+class TinyLeft(TinyTrackReward):
+    name = "tiny_left"
+
+    def score_track(self, centres: np.ndarray, width: int) -> float:
+        xs = centres[:, 0]
+        shown = xs[np.isfinite(xs)]
+        return float(np.clip(1.0 - shown[-1] / width, 0.0, 1.0)) if shown.size else 0.0
