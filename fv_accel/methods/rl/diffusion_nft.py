@@ -614,6 +614,9 @@ class DiffusionNFTMethod(TrainingMethod):
         pred = self._predict(self.student, xt, model_t, tb)
         if k:
             x0, xt, old, ref, pred = (v[:, :, k:] for v in (x0, xt, old, ref, pred))
+        # The loss in FastVideo's layout [B, T, C, H, W] (views): its sums over a sample's elements,
+        # and so the gradients' float32 rounding, run in FastVideo's order.
+        x0, xt, old, ref, pred = (v.permute(0, 2, 1, 3, 4) for v in (x0, xt, old, ref, pred))
         a = clip_advantages(adv, clip_max, mc.adv_mode)
         r = torch.clamp((a / clip_max) / 2.0 + 0.5, 0, 1)
         dims = tuple(range(1, x0.ndim))
