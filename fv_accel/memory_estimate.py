@@ -582,10 +582,15 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
         check_role_runs(cfg)
     except ConfigError as err:
         raise EstimateUnavailable(str(err)) from None
-    est = _estimate_role(cfg, env)
     if cfg.method.name == "diffusion_nft":
+        # A training micro-batch is method.train_batch_size samples (else the sampling batch's).
+        mc = cfg.method
+        micro = int(mc.train_batch_size or mc.sample_train_batch_size or cfg.training.data.train_batch_size)
+        data = dataclasses.replace(cfg.training.data, train_batch_size=micro)
+        est = _estimate_role(dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, data=data)), env)
         _add_reward_roles(cfg, est, env)
         return est
+    est = _estimate_role(cfg, env)
     if cfg.method.name not in DISTILLATION_METHODS:
         return est
     described = []
