@@ -118,23 +118,16 @@ class RewardValidationCallback(TrainerCallback):
         stop_on_collapse the run stops with a checkpoint."""
         if not self.reference or "temporal_variation" not in figures:
             return
+        from fv_accel.validation import sample_watch_message
+
         val = self.cfg.callbacks.validation
-        ratio = float(val.collapse_ratio)
-        for key, name in (("temporal_variation", "temporal variation"), ("colour_spread", "colour spread")):
-            ours, ref = figures[key], self.reference.get(key, float("nan"))
-            if not ref > 0:
-                continue
-            side = "below" if ours < ratio * ref else "above" if ours > ref / ratio else None
-            if side is None:
-                continue
-            what = "collapsing (static, solid)" if side == "below" else "diverging (flicker, noise)"
-            bound = f"{ratio:g} x the reference's {ref:.4f}" if side == "below" else f"the reference's {ref:.4f} / {ratio:g}"
-            message = (f"step {step}: the student's held-out samples are {what}: {name} {ours:.4f}, {side} {bound} "
-                       "(callbacks.validation.collapse_ratio)")
-            logger.warning("%s", message)
-            if val.stop_on_collapse:
-                trainer.request_stop(f"callbacks.validation.stop_on_collapse ({message})")
+        message = sample_watch_message(step, "the student's held-out samples", figures, self.reference, "the reference's",
+                                       float(val.collapse_ratio))
+        if message is None:
             return
+        logger.warning("%s", message)
+        if val.stop_on_collapse:
+            trainer.request_stop(f"callbacks.validation.stop_on_collapse ({message})")
 
     def summary(self) -> dict[str, Any]:
         if not self.history:

@@ -954,20 +954,18 @@ class VideoSamplingCallback(TrainerCallback):
         return temporal, spread
 
     def _check_collapse(self, trainer: Any, step: int, videos: list[np.ndarray]) -> None:
-        """The student's samples against the teacher's: a warning (and with stop_on_collapse a stop
-        with a checkpoint) when either figure falls below collapse_ratio times the teacher's."""
+        """The student's samples against the teacher's on both sides (`sample_watch_message`): one
+        warning line, and with stop_on_collapse a stop with a checkpoint."""
         stats = [video_statistics(frames) for frames in videos]
         temporal, spread = (float(np.mean([s[i] for s in stats])) for i in (0, 1))
         trainer.log_metrics({"samples/temporal_variation": temporal, "samples/colour_spread": spread}, step)
         t_temporal, t_spread = self.teacher_statistics
-        ratio = self.val.collapse_ratio
-        if temporal >= ratio * t_temporal and spread >= ratio * t_spread:
-            return
-        message = (
-            f"step {step}: the student's samples are collapsing: temporal variation {temporal:.4f} (teacher {t_temporal:.4f}), "
-            f"colour spread {spread:.4f} (teacher {t_spread:.4f}), below {ratio:g} x the teacher's "
-            "(callbacks.validation.collapse_ratio)"
+        message = sample_watch_message(
+            step, "the student's samples", {"temporal_variation": temporal, "colour_spread": spread},
+            {"temporal_variation": t_temporal, "colour_spread": t_spread}, "the teacher's", self.val.collapse_ratio,
         )
+        if message is None:
+            return
         logger.warning("%s", message)
         if self.val.stop_on_collapse:
             trainer.request_stop(f"callbacks.validation.stop_on_collapse ({message})")
@@ -1107,6 +1105,24 @@ def check_validation_data(cfg: Any, data_path: str) -> None:
         f"'{cfg.training.data.data_path}' is a text-only dataset (prompts without video latents): set "
         f"{' and '.join(f'callbacks.validation.{key} 0' for key in asks)} (a held-out loss can use heldout_data_path, a dataset preprocessed from videos)"
     )
+
+
+def sample_watch_message(step: int, subject: str, figures: dict, reference: dict, reference_name: str,
+                         ratio: float) -> Optional[str]:
+    """One line when the samples' temporal variation or colour spread leaves [ratio, 1 / ratio]
+    times the reference's: below, collapse (static, solid); above, divergence (flicker, noise).
+    None inside (or without a positive reference figure)."""
+    for key, name in (("temporal_variation", "temporal variation"), ("colour_spread", "colour spread")):
+        ours, ref = figures.get(key, math.nan), reference.get(key, math.nan)
+        if not ref > 0 or not math.isfinite(ours):
+            continue
+        if ours < ratio * ref:
+            return (f"step {step}: {subject} are collapsing (static, solid): {name} {ours:.4f}, below {ratio:g} x "
+                    f"{reference_name} {ref:.4f} (callbacks.validation.collapse_ratio)")
+        if ours > ref / ratio:
+            return (f"step {step}: {subject} are diverging (flicker, noise): {name} {ours:.4f}, above {reference_name} "
+                    f"{ref:.4f} / {ratio:g} (callbacks.validation.collapse_ratio)")
+    return None
 
 
 def video_statistics(frames: np.ndarray) -> tuple[float, float]:

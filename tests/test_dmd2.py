@@ -220,7 +220,7 @@ def test_a_forced_collapse_warns_and_stop_on_collapse_stops_with_a_checkpoint(tm
     with caplog.at_level(logging.WARNING, logger="fv_accel.validation"):
         summary = Trainer(run).run()
     warnings = [r.getMessage() for r in caplog.records if "collapsing" in r.getMessage()]
-    assert warnings and warnings[0].startswith("step 2: the student's samples are collapsing: temporal variation")
+    assert warnings and warnings[0].startswith("step 2: the student's samples are collapsing (static, solid): temporal variation")
     assert summary["stopped_by"].startswith("callbacks.validation.stop_on_collapse")
     assert summary["final_step"] == 2 and (tmp_path / "out" / "checkpoint-2").is_dir()
     rows = [json.loads(line) for line in (tmp_path / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
