@@ -177,3 +177,22 @@ def test_distill_quick(tmp_path, _cache_dir):
         assert len(r["latent_distance_per_sample"]) == 4 and r["latent_distance"] == pytest.approx(
             sum(r["latent_distance_per_sample"]) / 4)
     assert _positive(data["reference"]["latent_distance"]) and "| teacher, Euler 3 steps | 3 |" in md
+
+
+def test_nft_curve_quick(tmp_path, _cache_dir):
+    """benchmarks/nft.py --curve end to end on a random one-block student: NFT's held-out points, one
+    RFT round at the same samples, the teacher's seed sets (its first equal to NFT's logged
+    reference), and the distances to the nearest clip."""
+    out = tmp_path / "results"
+    _load("nft").main([
+        "--curve", "--student", "random", "--outer-steps", "3", "--sample-batch", "2", "--videos-per-prompt", "2",
+        "--batches", "2", "--sampling-steps", "2", "--val-videos", "2", "--teacher-seed-sets", "2", "--rft-steps", "2",
+        "--rft-batch", "2", "--rft-every", "3", "--out", str(out), "--work-dir", str(tmp_path / "work"), "--name", "nft",
+    ])
+    (name,) = [p.stem for p in out.glob("nft_curve_*.json")]
+    data, md = _read(out, name)
+    assert [p["samples"] for p in data["nft"]] == [0, 4, 8, 12]
+    assert data["reference_check_abs_diff"] == 0.0
+    assert [p["samples"] for p in data["rft"]["points"]][-1] == 12  # one round, at NFT's 12 samples
+    assert len(data["teacher_seed_sets"]["heldout"]) == 2
+    assert all(_positive(d["latent"]) for d in data["distances"].values()) and "| teacher |" in md
