@@ -19,7 +19,13 @@ phase to regenerate them, so a run stopped between optimizer steps resumes bitwi
 Every draw is FastVideo's, in its order, from the rank's generator: per sampling batch the two
 draws of FastVideo's `prepare_batch` that nothing uses (noise, then `u`), the sampler's start noise
 (and `sde_reflow`'s re-noising noises); per inner epoch one permutation of the samples, then one
-permutation of the timesteps per sample; per micro-batch one noise.
+permutation of the timesteps per sample; per micro-batch one noise. With `training.loop.noise_rng:
+sample` each sample draws from a generator of its own (keyed by the outer step and its number among
+every process's samples), the processes' samples are gathered and permuted together and each
+process trains its share of every micro-batch: N processes train as one would.
+
+With a LoRA student the old policy is a second, frozen adapter over its base and the reference is
+the base with adapters off (`AdapterView`): one copy of the model.
 """
 
 from __future__ import annotations
