@@ -312,7 +312,7 @@ def run_nft(args: argparse.Namespace, scratch: Path) -> dict:
     if any(not torch.equal(start[k], v) for k, v in unwrapped(method.reference).state_dict().items()):
         raise RuntimeError("the reference does not hold the student's starting weights")
     probe = None if args.no_trained_prompts else PromptProbe(run.config, trained, spo)
-    per_outer = int(run.config.method.num_batches_per_epoch) * method.sample_batch * method.data_parallel_world()[0]
+    per_outer = int(run.config.method.num_batches_per_epoch) * method.sample_batch * method.dp_size
     print(f"[curve] NFT: {args.outer_steps} outer steps of {per_outer} samples ({spo} optimizer steps each); "
           f"held out {args.heldout}, trained on {trained}", flush=True)
     t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """Reward training's validation (`method.validation`): the rewards of held-out prompts, never
-trained on, sampled by the student (with its EMA where the run keeps one) at `num_steps` of the
-method's sampler, every `every_steps` optimizer steps and at the last step.
+trained on, sampled by the student (with its EMA where the run keeps one and `method.ema.validation`
+is on) at `num_steps` of the method's sampler, every `every_steps` optimizer steps and at the last
+step.
 
 Each prompt is sampled `videos_per_prompt` times, sample v from its own generator seeded with
 (seed, prompt, v), so every validation sees the same starting noises and the figures move only
@@ -15,6 +16,7 @@ divergence) in one warning line naming the step, the figure and both values.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -75,7 +77,8 @@ class RewardValidationCallback(TrainerCallback):
         sampling = _with_steps(self.cfg.method.sampling, spec.num_steps)
         scores: dict[str, list[float]] = {}
         stats: list[tuple[float, float]] = []
-        context = self.ema.applied() if (use_ema and self.ema is not None and self.ema.ema is not None) else _nothing()
+        with_ema = use_ema and self.cfg.method.ema.validation and self.ema is not None and self.ema.ema is not None
+        context = self.ema.applied() if with_ema else contextlib.nullcontext()
         was_training = role.transformer.training
         role.transformer.eval()
         with context:
@@ -159,20 +162,12 @@ def _with_steps(sampling: Any, num_steps: int) -> Any:
     return dataclasses.replace(sampling, num_steps=int(num_steps), timesteps=None, sigmas=None)
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
 def held_out_conditioning(cfg: Any, method: Any, loader: Any) -> tuple[list[str], list[Any], list[tuple[int, ...]]]:
     """The held-out prompts, their conditioning (one sample each) and latent shapes [C, T, H, W]
     (the row's, or the recipe's for text-only rows): `method.validation.prompts`
     taken from the training rows that hold them (the method never trains on those rows), else the
     first `num_prompts` rows of `method.validation.data_path`."""
-    from fv_accel.data.loader import LatentDataset, collate, rollout_latent_shape
+    from fv_accel.data.loader import LatentDataset, collate
 
     spec = cfg.method.validation
     if spec.prompts:
@@ -185,7 +180,5 @@ def held_out_conditioning(cfg: Any, method: Any, loader: Any) -> tuple[list[str]
     else:
         dataset = LatentDataset(spec.data_path, text_max_length=cfg.training.data.text_max_length)
         items = [dataset[(i, 0, 0)] for i in range(min(spec.num_prompts, len(dataset)))]
-    conds = [method.student.build_conditioning(collate([item])) for item in items]
-    shapes = [tuple(int(s) for s in item["vae_latent"].shape) if item.get("vae_latent") is not None
-              else tuple(rollout_latent_shape(cfg, method.student.in_channels)) for item in items]
-    return [str(item.get("caption", "")) for item in items], conds, shapes
+    sampled = [method.conditioning_of(collate([item])) for item in items]
+    return [str(item.get("caption", "")) for item in items], [c for c, _ in sampled], [shape[1:] for _, shape in sampled]

@@ -379,3 +379,39 @@ def test_nft_ti2v_image_to_video_samples_and_trains_with_each_prompts_clean_cond
             assert any(torch.equal(row, c.to(row.dtype)) for c in conditions), name
     after = method.student.transformer.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_nft_ti2v_held_out_validation_samples_with_each_prompts_condition_frame(tmp_path, variant_dirs):
+    """Reward training's held-out validation of an image-to-video student: its prompts' rows give
+    their own clean first frames (as the training sampler's do), for the reference at the start and
+    the student at the last step."""
+    from test_nft import NFT_RECIPE, nft_overrides
+
+    model, data = variant_dirs["wan22_ti2v"]
+    over = nft_overrides(tmp_path, str(data), **{
+        "models.student.transformer_config": None, "models.student.init_from": str(model), "models.student.task": "i2v",
+        "training.data.text_max_length": 512, "method.sample_train_batch_size": 2, "method.num_batches_per_epoch": 1,
+        "training.loop.max_train_steps": 1, "method.validation.every_steps": 1, "method.validation.data_path": str(data),
+        "method.validation.num_prompts": 2, "method.validation.num_steps": 2,
+    })
+    run = build_from_config(NFT_RECIPE, over)
+    firsts = []
+    real = run.method.reference.forward
+
+    def forward(x, t, cond):
+        firsts.append((x[:, :, :1].detach().clone(), t.detach().clone()))
+        return real(x, t, cond)
+
+    run.method.reference.forward = forward
+    summary = Trainer(run).run()
+    held = {k: v for k, v in summary.items() if k.startswith("held-out reward/tiny_speed")}
+    assert held and all(math.isfinite(v) for v in held.values()), summary
+    # The reference's validation forwards come first: each sees one of the two rows' first latent frames.
+    from fv_accel.data.loader import LatentDataset
+
+    rows = LatentDataset(str(data), text_max_length=512)
+    conditions = [run.method.student.clean_latents({"vae_latent": rows[(i, 0, 0)]["vae_latent"][None]})[:, :, :1]
+                  for i in range(2)]
+    x, t = firsts[0]
+    assert torch.all(t[:, 0] == 0)
+    assert any(torch.equal(x[:1], c.to(x.dtype)) for c in conditions)

@@ -101,7 +101,7 @@ class TrainingMethod:
         self.noise_rng = cfg.training.loop.noise_rng
         # One generator per data-parallel rank seeded seed + rank (FastVideo's "cuda_generator", on
         # the device): the processes of one context-parallel group draw the same noise and timesteps.
-        _, self.dp_rank = data_parallel_layout(cfg.training.model.context_parallel, state.num_processes, self.process_index)
+        self.dp_size, self.dp_rank = data_parallel_layout(cfg.training.model.context_parallel, state.num_processes, self.process_index)
         self.cuda_generator = torch.Generator(device=self.device).manual_seed(self.seed + self.dp_rank)
         # The training table of the scheduler adapter (the training shift, REFERENCE.md section 1).
         # The student gives it per latent shape (a resolution-dependent shift differs by bucket);

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 
@@ -57,14 +57,24 @@ class Conditioning:
             self, **{name: torch.zeros_like(getattr(self, name)) for name in self.TEXT_FIELDS if getattr(self, name) is not None}
         )
 
+    # The per-sample tensor fields ([B, ...] each), besides `extras`.
+    SAMPLE_FIELDS = ("text", "text_mask", "image", "condition_latent", "pooled_text", "text_2", "text_2_mask")
+
+    def map_samples(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Conditioning":
+        """This conditioning with `fn` applied to each per-sample tensor (the fields and `extras`)."""
+        pick = {name: fn(getattr(self, name)) for name in self.SAMPLE_FIELDS if getattr(self, name) is not None}
+        return replace(self, extras={k: fn(v) for k, v in self.extras.items()}, **pick)
+
     def select(self, index: torch.Tensor) -> "Conditioning":
         """The conditioning of the samples at `index` (a [K] long tensor)."""
-        pick = {
-            name: getattr(self, name)[index]
-            for name in ("text", "text_mask", "image", "condition_latent", "pooled_text", "text_2", "text_2_mask")
-            if getattr(self, name) is not None
-        }
-        return replace(self, extras={k: v[index] for k, v in self.extras.items()}, **pick)
+        return self.map_samples(lambda v: v[index])
+
+    @classmethod
+    def concat(cls, conds: Sequence["Conditioning"]) -> "Conditioning":
+        """One conditioning of the samples of several, in order (the first's other fields)."""
+        first = conds[0]
+        pick = {name: torch.cat([getattr(c, name) for c in conds]) for name in cls.SAMPLE_FIELDS if getattr(first, name) is not None}
+        return replace(first, extras={k: torch.cat([c.extras[k] for c in conds]) for k in first.extras}, **pick)
 
 
 @dataclass

@@ -424,7 +424,10 @@ __all__ = [
     "COMFYUI_LORA_FILE",
     "DIFFUSERS_LORA_FILE",
     "adapter_metadata",
+    "adapter_pairs",
     "adapter_state_dict",
+    "adapter_view",
+    "add_frozen_adapter",
     "apply_lora",
     "count_parameters",
     "deployable_lora",
@@ -441,34 +444,26 @@ __all__ = [
 ]
 
 
-def add_frozen_adapter(transformer: torch.nn.Module, name: str) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+def add_frozen_adapter(transformer: torch.nn.Module, name: str) -> None:
     """A second adapter `name` beside the trained one, a frozen copy of it (no gradient; the trained
-    adapter stays the active, trainable one), over the same base. Returns the (trained, copy)
-    parameter pairs in the order of the transformer's parameters."""
+    adapter stays the active, trainable one), over the same base."""
+    import copy
     import warnings
 
     config = transformer.peft_config[ADAPTER_NAME]
     with warnings.catch_warnings():  # peft's notice that a model now holds two adapters: the point here
         warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
-        transformer.add_adapter(copy_config(config), adapter_name=name)
+        transformer.add_adapter(copy.deepcopy(config), adapter_name=name)
     transformer.set_adapter(ADAPTER_NAME)  # back to the trained adapter (peft sets requires_grad)
-    named = dict(transformer.named_parameters())
-    pairs = []
-    for key, param in named.items():
-        if f".{ADAPTER_NAME}." not in key:
-            continue
-        other = named[key.replace(f".{ADAPTER_NAME}.", f".{name}.")]
-        with torch.no_grad():
-            other.data = param.detach().clone()
+    for trained, other in adapter_pairs(transformer, name):
+        other.data = trained.detach().clone()
         other.requires_grad_(False)
-        pairs.append((param, other))
-    return pairs
 
 
-def copy_config(config: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(config)
+def adapter_pairs(transformer: torch.nn.Module, name: str) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+    """(trained adapter's parameter, adapter `name`'s same parameter), in the transformer's order."""
+    named = dict(transformer.named_parameters())
+    return [(p, named[key.replace(f".{ADAPTER_NAME}.", f".{name}.")]) for key, p in named.items() if f".{ADAPTER_NAME}." in key]
 
 
 @contextlib.contextmanager

@@ -114,13 +114,11 @@ class OuterStep:
         self.perm: Optional[torch.Tensor] = None
         self.time_perm: Optional[torch.Tensor] = None
 
-    COND_FIELDS = ("text", "text_mask", "image", "condition_latent", "pooled_text", "text_2", "text_2_mask")
-
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = {"iteration": torch.tensor(self.iteration), "epoch": torch.tensor(self.epoch), "x0": self.x0,
                "clean_frames": torch.tensor(self.cond.clean_frames),
                "timesteps": self.timesteps, "advantages": self.advantages, "valid": self.valid.to(torch.uint8)}
-        for name in self.COND_FIELDS:
+        for name in Conditioning.SAMPLE_FIELDS:
             if getattr(self.cond, name) is not None:
                 out[f"cond.{name}"] = getattr(self.cond, name)
         for name, value in self.cond.extras.items():
@@ -133,7 +131,7 @@ class OuterStep:
     @classmethod
     def from_state(cls, t: dict[str, torch.Tensor], device: torch.device) -> "OuterStep":
         on = {k: v.to(device) for k, v in t.items()}
-        cond = Conditioning(clean_frames=int(t["clean_frames"]), **{n: on[f"cond.{n}"] for n in cls.COND_FIELDS if f"cond.{n}" in on},
+        cond = Conditioning(clean_frames=int(t["clean_frames"]), **{n: on[f"cond.{n}"] for n in Conditioning.SAMPLE_FIELDS if f"cond.{n}" in on},
                             extras={k[len("cond_extra."):]: v for k, v in on.items() if k.startswith("cond_extra.")})
         metrics = {k[len("metric."):]: float(v) for k, v in t.items() if k.startswith("metric.")}
         outer = cls(int(t["iteration"]), on["x0"], cond, on["timesteps"], on["advantages"], on["valid"].bool(), metrics)
@@ -170,9 +168,9 @@ class NFTBatches:
         # The timestep permutations belong to the permuted positions (FastVideo permutes the samples first).
         columns = outer.time_perm[b * size : stop, j]
         if m.per_sample:  # every process holds every sample: this one trains its share of the micro-batch
-            world, rank = m.data_parallel_world()
-            share = index.numel() // world
-            index, columns = index[rank * share : (rank + 1) * share], columns[rank * share : (rank + 1) * share]
+            share = index.numel() // m.dp_size
+            rows = slice(m.dp_rank * share, (m.dp_rank + 1) * share)
+            index, columns = index[rows], columns[rows]
         self.micro += 1
         return {
             "nft": {"outer": outer, "index": index, "columns": columns},
@@ -218,11 +216,10 @@ class DiffusionNFTMethod(TrainingMethod):
             if not isinstance(role, AdapterView):
                 role.init_preprocessors(self.training_config)
                 role.transformer.eval()
-        from fv_accel.rewards import build_rewards, parse_reward_fn
+        from fv_accel.rewards import parse_reward_fn
 
         self.reward_spec = parse_reward_fn(cfg.method.reward_fn)
-        self.rewards: Any = None  # built at the first sampling (reward models load then)
-        self._build_rewards = lambda: build_rewards(self.reward_spec, self.device)
+        self.rewards: Any = None  # built at the first scoring (reward models load then)
         self.outer: Optional[OuterStep] = None
         self._restored: Optional[dict[str, torch.Tensor]] = None
         self._loader: Any = None
@@ -286,10 +283,9 @@ class DiffusionNFTMethod(TrainingMethod):
 
         if getattr(loader, "preprocessed_data_type", None) == "text_only":
             rollout_latent_shape(self.cfg, self.student.in_channels)
-        world, rank = self.data_parallel_world()
         try:
             k_repeat_rows(self.trainable_rows(loader), batch_size=self.sample_batch,
-                          repeats=int(self.cfg.method.num_video_per_prompt), world_size=world, rank=rank, seed=0)
+                          repeats=int(self.cfg.method.num_video_per_prompt), world_size=self.dp_size, rank=self.dp_rank, seed=0)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
@@ -325,9 +321,9 @@ class DiffusionNFTMethod(TrainingMethod):
             outer.time_perm = torch.stack([torch.randperm(self.n_t, device=self.device, generator=g) for _ in range(n)])
         outer.epoch = epoch
 
-    def sample_generators(self, *parts: Any, count: int, first: int) -> list[torch.Generator]:
-        """One generator per sample, seeded by `parts` and the sample's global number."""
-        return [torch.Generator(device=self.device).manual_seed(derived_seed(self.seed, *parts, first + i)) for i in range(count)]
+    def sample_generator(self, *parts: Any) -> torch.Generator:
+        """A sample's own generator (noise_rng sample), seeded by the run's seed and `parts`."""
+        return torch.Generator(device=self.device).manual_seed(derived_seed(self.seed, *parts))
 
     def on_step_end(self, step: int) -> None:
         """After the last optimizer step of an outer step: the old policy moves toward the student."""
@@ -342,11 +338,10 @@ class DiffusionNFTMethod(TrainingMethod):
         the modules at each call (FSDP2's prepare replaces the parameters), each this process's shards."""
         if not self.lora:
             return list(zip(sharded_parameters(self.student.transformer), sharded_parameters(self.old.transformer), strict=True))
-        from fv_accel.models.lora import ADAPTER_NAME
+        from fv_accel.models.lora import adapter_pairs
 
         sharded_parameters(self.student.transformer)
-        named = dict(self.student.transformer.named_parameters())
-        return [(p, named[n.replace(f".{ADAPTER_NAME}.", f".{OLD_ADAPTER}.")]) for n, p in named.items() if f".{ADAPTER_NAME}." in n]
+        return adapter_pairs(self.student.transformer, OLD_ADAPTER)
 
     @torch.no_grad()
     def update_old_policy(self, iteration: int) -> None:
@@ -384,8 +379,8 @@ class DiffusionNFTMethod(TrainingMethod):
             t1 = self._clock()
             generator: Any = self.cuda_generator
             if self.per_sample:
-                _, rank = self.data_parallel_world()
-                generator = self.sample_generators("nft-sample", iteration, b, count=shape[0], first=rank * shape[0])
+                first = self.dp_rank * shape[0]
+                generator = [self.sample_generator("nft-sample", iteration, b, first + i) for i in range(shape[0])]
             x0 = sample_policy(self.old, tb, shape, schedule, self.cfg.method.sampling.trajectory, generator,
                                predict=self.predict_override)
             t2 = self._clock()
@@ -402,19 +397,18 @@ class DiffusionNFTMethod(TrainingMethod):
             valids.append(~invalid.to(self.device))
             for name, value in scores.items():
                 rewards[name].append(value.to(self.device, torch.float32))
-        x0, cond = torch.cat(xs), concat_conditioning(conds)
+        x0, cond = torch.cat(xs), Conditioning.concat(conds)
         reward = {k: torch.cat(v) for k, v in rewards.items()}
         valid = torch.cat(valids)
         adv, adv_all, metrics = self.advantages(reward, prompts, valid)
         if self.per_sample:  # every process keeps every process's samples, in the order one process samples them
-            world, _ = self.data_parallel_world()
             batches = int(self.cfg.method.num_batches_per_epoch)
 
             def gather(t: torch.Tensor) -> torch.Tensor:
-                return batch_major(self.gather(t.contiguous()), world, batches)
+                return batch_major(self.gather(t.contiguous()), self.dp_size, batches)
 
-            x0, valid, adv = gather(x0), gather(valid), batch_major(adv_all, world, batches)
-            cond = gather_conditioning(cond, gather)
+            x0, valid, adv = gather(x0), gather(valid), batch_major(adv_all, self.dp_size, batches)
+            cond = cond.map_samples(gather)
         train_t = schedule.timesteps[: self.n_t]
         metrics.update(timing, old_drift=self._old_drift, outer_step=float(iteration),
                        outer_s=time.perf_counter() - t0)
@@ -446,10 +440,9 @@ class DiffusionNFTMethod(TrainingMethod):
         loader = self._loader
         dataset = loader.dataset
         rows = self.trainable_rows(loader)
-        world, rank = self.data_parallel_world()
         seed = self.seed + (iteration - 1) * int(self.cfg.method.num_batches_per_epoch) + b
         picked = k_repeat_rows(rows, batch_size=self.sample_batch, repeats=int(self.cfg.method.num_video_per_prompt),
-                               world_size=world, rank=rank, seed=seed)
+                               world_size=self.dp_size, rank=self.dp_rank, seed=seed)
         items = [dataset[(i, iteration, 0)] for i in picked]
         batch = collate(items)
         return batch, [str(item.get("caption", "")) for item in items]
@@ -475,17 +468,20 @@ class DiffusionNFTMethod(TrainingMethod):
             self._caption_rows = dict(rows)
         return self._caption_rows
 
-    def data_parallel_world(self) -> tuple[int, int]:
-        from accelerate import PartialState
-
-        from fv_accel.models.context_parallel import data_parallel_layout
-
-        state = PartialState()
-        return data_parallel_layout(self.training_config.model.context_parallel, state.num_processes, state.process_index)
-
     def sampling_batch(self, batch: dict) -> tuple[TrainingBatch, tuple[int, ...]]:
-        """The conditioning of a sampling batch and its latent shape, after the two draws of
-        FastVideo's `prepare_batch` that nothing uses (noise of the latent's shape, then `u`)."""
+        """`conditioning_of` the batch, after the two draws of FastVideo's `prepare_batch` that
+        nothing uses (noise of the latent's shape, then `u`)."""
+        cond, shape = self.conditioning_of(batch)
+        if not self.per_sample:
+            g = self.cuda_generator
+            randn(shape, g, self.device)
+            self.sample_homogeneous_indices(shape[0], g, self.device, in_range=False)
+        return TrainingBatch(conditioning=cond), shape
+
+    def conditioning_of(self, batch: dict) -> tuple[Conditioning, tuple[int, ...]]:
+        """What a batch of prompt rows is sampled with: the student's conditioning (an image-to-video
+        student's with each row's own clean first frames) and the latent shape [B, C, T, H, W] (the
+        rows', or the recipe's for text-only rows)."""
         from fv_accel.data.loader import rollout_latent_shape
 
         cond = self.student.build_conditioning(batch)
@@ -499,11 +495,7 @@ class DiffusionNFTMethod(TrainingMethod):
             shape = (b, *batch["vae_latent"].shape[1:])
         else:
             shape = (b, *rollout_latent_shape(self.cfg, self.student.in_channels))
-        if not self.per_sample:
-            g = self.cuda_generator
-            randn(shape, g, self.device)
-            self.sample_homogeneous_indices(b, g, self.device, in_range=False)
-        return TrainingBatch(conditioning=cond), tuple(int(s) for s in shape)
+        return cond, tuple(int(s) for s in shape)
 
     def decode_for_reward(self, latents: torch.Tensor) -> torch.Tensor:
         """Clean latents [B, C, T, H, W] -> uint8 clips [B, F, H, W, 3] (the student family's VAE)."""
@@ -528,7 +520,9 @@ class DiffusionNFTMethod(TrainingMethod):
     def score(self, clips: torch.Tensor, prompts: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Each reward per sample and `avg` (their weighted sum), and which samples had a non-finite reward."""
         if self.rewards is None:
-            self.rewards = self._build_rewards()
+            from fv_accel.rewards import build_rewards
+
+            self.rewards = build_rewards(self.reward_spec, self.device)
         return self.rewards.score(clips, prompts)
 
     def advantages(self, reward: dict[str, torch.Tensor], prompts: list[str], valid: torch.Tensor
@@ -538,9 +532,8 @@ class DiffusionNFTMethod(TrainingMethod):
         avg = torch.where(valid, reward["avg"], torch.zeros_like(reward["avg"]))
         all_avg, all_valid, all_prompts = self.gather(avg), self.gather(valid), self.gather_prompts(prompts)
         adv_all = group_advantages(all_avg, all_prompts, all_valid)
-        _, rank = self.data_parallel_world()
         n = avg.shape[0]
-        adv = adv_all[rank * n : (rank + 1) * n]
+        adv = adv_all[self.dp_rank * n : (self.dp_rank + 1) * n]
         metrics: dict[str, float] = {}
         for name, value in reward.items():
             v = self.gather(torch.where(valid, value, torch.zeros_like(value)))[all_valid]
@@ -554,16 +547,14 @@ class DiffusionNFTMethod(TrainingMethod):
         return adv, adv_all, metrics
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        world, _ = self.data_parallel_world()
-        if world == 1:
+        if self.dp_size == 1:
             return t
         from accelerate.utils import gather
 
         return gather(t.contiguous())
 
     def gather_prompts(self, prompts: list[str]) -> list[str]:
-        world, _ = self.data_parallel_world()
-        if world == 1:
+        if self.dp_size == 1:
             return list(prompts)
         from accelerate.utils import gather_object
 
@@ -584,11 +575,8 @@ class DiffusionNFTMethod(TrainingMethod):
         tb = TrainingBatch(latents=x0, conditioning=cond, timesteps=timestep)
         self._noise_generator = self.cuda_generator
         if self.per_sample:
-            self._noise_generator = [
-                torch.Generator(device=self.device).manual_seed(
-                    derived_seed(self.seed, "nft-noise", outer.iteration, outer.epoch, int(i), int(c)))
-                for i, c in zip(index.tolist(), item["columns"].tolist())
-            ]
+            self._noise_generator = [self.sample_generator("nft-noise", outer.iteration, outer.epoch, int(i), int(c))
+                                     for i, c in zip(index.tolist(), item["columns"].tolist())]
         losses = self.nft_loss(x0, timestep, adv, valid, tb)
         outputs: dict[str, Any] = {"_fv_backward": (timestep, None), "training_batch": tb}
         metrics = {k: torch.tensor(v) for k, v in outer.metrics.items()}
@@ -725,16 +713,3 @@ def batch_major(t: torch.Tensor, world: int, batches: int) -> torch.Tensor:
     batches of world x b holds them (sample number rank x b + i of each batch)."""
     return t.reshape(world, batches, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
-
-def gather_conditioning(cond: Conditioning, gather: Any) -> Conditioning:
-    """Every process's conditioning, in rank order."""
-    fields = {n: gather(getattr(cond, n).contiguous()) for n in OuterStep.COND_FIELDS if getattr(cond, n) is not None}
-    return Conditioning(clean_frames=cond.clean_frames, extras={k: gather(v.contiguous()) for k, v in cond.extras.items()}, **fields)
-
-
-def concat_conditioning(conds: list[Conditioning]) -> Conditioning:
-    """One conditioning of the samples of several batches, in order."""
-    first = conds[0]
-    fields = {n: torch.cat([getattr(c, n) for c in conds]) for n in OuterStep.COND_FIELDS if getattr(first, n) is not None}
-    extras = {k: torch.cat([c.extras[k] for c in conds]) for k in first.extras}
-    return Conditioning(clean_frames=first.clean_frames, extras=extras, **fields)
