@@ -14,22 +14,14 @@ from typing import Sequence
 
 import torch
 
-from fv_accel.rewards.base import (
-    CLIP_MAX_TEXT_TOKENS,
-    DTYPES,
-    Reward,
-    RewardEntry,
-    clip_frames_as_images,
-    register_reward,
-    sample_chunks,
-)
-from fv_accel.rewards.loading import freeze, load_pretrained
+from fv_accel.rewards.base import CLIP_MAX_TEXT_TOKENS, RewardEntry, clip_frames_as_images, register_reward, sample_chunks
+from fv_accel.rewards.loading import FrozenModelReward
 
 CLIPSCORE_DIVISOR = 100.0
 
 
 @register_reward
-class CLIPScore(Reward):
+class CLIPScore(FrozenModelReward):
     name = "clipscore"
     options = {"model": "openai/clip-vit-large-patch14", "revision": None, "frames": 1, "dtype": "float32"}
 
@@ -37,20 +29,7 @@ class CLIPScore(Reward):
         from transformers import CLIPModel, CLIPProcessor
 
         super().__init__(entry, device)
-        opts = entry.options
-        self.frames = opts["frames"]
-        self.dtype = DTYPES[opts["dtype"]]
-        self.processor = load_pretrained(
-            CLIPProcessor.from_pretrained, opts["model"], reward=self.name, what="processor", revision=opts["revision"]
-        )
-        model = load_pretrained(
-            CLIPModel.from_pretrained, opts["model"], reward=self.name, what="weights", revision=opts["revision"],
-            dtype=self.dtype,
-        )
-        self.model = freeze(model, self.device, self.dtype)
-
-    def modules(self) -> list[torch.nn.Module]:
-        return [self.model]
+        self.load(CLIPProcessor.from_pretrained, entry.options["model"], entry.options["revision"], CLIPModel.from_pretrained)
 
     @torch.inference_mode()
     def __call__(self, clips: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from fv_accel.hub_access import error_first_line, offline_unless_hub_answers
-from fv_accel.rewards.base import REWARD_KEY
+from fv_accel.rewards.base import DTYPES, REWARD_KEY, Reward, RewardEntry
 
 
 def freeze(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -48,3 +48,28 @@ def load_pretrained(
     except (OSError, ValueError) as err:
         explained = explain_load_error(model_id, what, err, revision=revision)
         raise ModelLoadError(f"reward '{reward}' ({REWARD_KEY}): {explained}") from None
+
+
+class FrozenModelReward(Reward):
+    """A reward computed by a pretrained model with its processor (PickScore, CLIPScore): the
+    options `frames` and `dtype`, the processor and the frozen model loaded by `load`."""
+
+    def __init__(self, entry: RewardEntry, device: torch.device):
+        super().__init__(entry, device)
+        self.frames = entry.options["frames"]
+        self.dtype = DTYPES[entry.options["dtype"]]
+        self.processor: Any = None
+        self.model: Any = None
+
+    def load(self, processor_loader: Callable[..., Any], processor_id: str, processor_revision: Optional[str],
+             model_loader: Callable[..., Any]) -> None:
+        """The processor, and the model (`options["model"]` at `options["revision"]`) frozen in the recipe's dtype."""
+        opts = self.entry.options
+        self.processor = load_pretrained(processor_loader, processor_id, reward=self.name, what="processor",
+                                         revision=processor_revision)
+        model = load_pretrained(model_loader, opts["model"], reward=self.name, what="weights", revision=opts["revision"],
+                                dtype=self.dtype)
+        self.model = freeze(model, self.device, self.dtype)
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.model]

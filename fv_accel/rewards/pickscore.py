@@ -17,21 +17,19 @@ import torch
 
 from fv_accel.rewards.base import (
     CLIP_MAX_TEXT_TOKENS,
-    DTYPES,
-    Reward,
     RewardEntry,
     clip_frames_as_images,
     projected_features,
     register_reward,
     sample_chunks,
 )
-from fv_accel.rewards.loading import freeze, load_pretrained
+from fv_accel.rewards.loading import FrozenModelReward
 
 PICKSCORE_DIVISOR = 26.0
 
 
 @register_reward
-class PickScore(Reward):
+class PickScore(FrozenModelReward):
     name = "pickscore"
     options = {
         "model": "yuvalkirstain/PickScore_v1",
@@ -47,20 +45,7 @@ class PickScore(Reward):
 
         super().__init__(entry, device)
         opts = entry.options
-        self.frames = opts["frames"]
-        self.dtype = DTYPES[opts["dtype"]]
-        self.processor = load_pretrained(
-            AutoProcessor.from_pretrained, opts["processor"], reward=self.name, what="processor",
-            revision=opts["processor_revision"],
-        )
-        model = load_pretrained(
-            AutoModel.from_pretrained, opts["model"], reward=self.name, what="weights", revision=opts["revision"],
-            dtype=self.dtype,
-        )
-        self.model = freeze(model, self.device, self.dtype)
-
-    def modules(self) -> list[torch.nn.Module]:
-        return [self.model]
+        self.load(AutoProcessor.from_pretrained, opts["processor"], opts["processor_revision"], AutoModel.from_pretrained)
 
     @torch.inference_mode()
     def __call__(self, clips: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
