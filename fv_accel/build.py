@@ -9,8 +9,8 @@ scripts and usable from Python or a notebook:
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,15 +213,11 @@ def check_gradient_accumulation(acc, cfg: RunConfig) -> None:
     Accelerator's through ACCELERATE_GRADIENT_ACCUMULATION_STEPS.)"""
     k = micro_batches_per_step(cfg)
     if acc.gradient_accumulation_steps != k:
-        if cfg.method.name in REWARD_METHODS:
-            raise ValueError(
-                f"method.name {cfg.method.name}: an optimizer step accumulates {k} micro-batches "
-                f"(training.loop.gradient_accumulation_steps x the trained timesteps) but the launch configuration "
-                f"sets {acc.gradient_accumulation_steps} (ACCELERATE_GRADIENT_ACCUMULATION_STEPS / "
-                f"--gradient_accumulation_steps): remove it there; the recipe decides"
-            )
+        recipe = (f"training.loop.gradient_accumulation_steps is {k}" if cfg.method.name not in REWARD_METHODS else
+                  f"method.name {cfg.method.name}: an optimizer step accumulates {k} micro-batches "
+                  "(training.loop.gradient_accumulation_steps x the trained timesteps)")
         raise ValueError(
-            f"training.loop.gradient_accumulation_steps is {k} but the launch configuration sets "
+            f"{recipe} but the launch configuration sets "
             f"{acc.gradient_accumulation_steps} (ACCELERATE_GRADIENT_ACCUMULATION_STEPS / "
             f"deepspeed_config.gradient_accumulation_steps / --gradient_accumulation_steps): remove it "
             f"there (or set it to auto); the recipe decides"

@@ -1098,12 +1098,16 @@ def resolve_roles(cfg: RunConfig, data: dict, source: str) -> None:
     if models.critic is None:
         models.critic = StudentConfig()
     for role in ("student", "critic"):
-        raw = given.get(role) or {}
-        if raw.get("init_from") is None and raw.get("transformer_config") is None:
-            target = getattr(models, role)
-            for key in INHERITED_MODEL_KEYS:
-                if key not in raw:
-                    setattr(target, key, _deep_copy(getattr(models.teacher, key)))
+        inherit_model(getattr(models, role), given.get(role) or {}, models.teacher, INHERITED_MODEL_KEYS)
+
+
+def inherit_model(target: StudentConfig, raw: dict, source: StudentConfig, keys: tuple[str, ...]) -> None:
+    """A role that names no model of its own (neither `init_from` nor `transformer_config` in its
+    recipe section `raw`) takes `source`'s values of `keys` that the section leaves unset."""
+    if raw.get("init_from") is None and raw.get("transformer_config") is None:
+        for key in keys:
+            if key not in raw:
+                setattr(target, key, _deep_copy(getattr(source, key)))
 
 
 def resolve_reward_roles(cfg: RunConfig, data: dict, source: str) -> None:
@@ -1122,10 +1126,7 @@ def resolve_reward_roles(cfg: RunConfig, data: dict, source: str) -> None:
         if getattr(models, role) is None:
             setattr(models, role, StudentConfig())
         target = getattr(models, role)
-        if raw.get("init_from") is None and raw.get("transformer_config") is None:
-            for key in INHERITED_MODEL_KEYS + ("flow_shift",):
-                if key not in raw:
-                    setattr(target, key, _deep_copy(getattr(models.student, key)))
+        inherit_model(target, raw, models.student, INHERITED_MODEL_KEYS + ("flow_shift",))
         if target.lora.enable:
             raise ConfigError(f"{source}: key 'models.{role}.lora.enable': the {role} policy is frozen; remove its LoRA section")
 
@@ -1136,10 +1137,10 @@ def resolve_reward_ema(cfg: RunConfig, data: dict, source: str) -> None:
     method_ema = ((data.get("method") or {}).get("ema")) is not None
     callbacks_ema = ((data.get("callbacks") or {}).get("ema")) is not None
     me, ce = cfg.method.ema, cfg.callbacks.ema
-    wanted = (me.enabled, me.decay, me.update_after_step)
     if callbacks_ema and not method_ema:
         return
-    if callbacks_ema and ce.enable != me.enabled or (callbacks_ema and me.enabled and (ce.decay, ce.update_after_step) != wanted[1:]):
+    same = ce.enable == me.enabled and (not me.enabled or (ce.decay, ce.update_after_step) == (me.decay, me.update_after_step))
+    if callbacks_ema and not same:
         raise ConfigError(
             f"{source}: key 'method.ema' {dict(enabled=me.enabled, decay=me.decay, update_after_step=me.update_after_step)} "
             f"disagrees with callbacks.ema {dict(enable=ce.enable, decay=ce.decay, update_after_step=ce.update_after_step)}: "

@@ -655,8 +655,6 @@ def _reward_model_note(cfg: RunConfig) -> str:
 def _clip_parameters(model: str, revision: Optional[str]) -> int:
     """Parameters of the CLIP model at `model` from its config alone (built on the meta device); 0
     when its config.json is in neither the folder nor the cache."""
-    import torch
-
     folder = Path(model)
     path: Any = folder / "config.json" if folder.is_dir() else None
     if path is None:
