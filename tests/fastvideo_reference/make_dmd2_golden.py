@@ -292,14 +292,21 @@ def format_golden(golden: dict[str, Any]) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def fastvideo_from_cli(argv: list[str] | None, doc: str, out: Path, install: Any) -> tuple[types.SimpleNamespace, Any]:
+    """A golden generator's command line (--fastvideo, --out) and `install(root)`'s FastVideo,
+    checked to be EXPECTED_VERSION: (the installed modules, the parsed arguments)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--fastvideo", required=True, help="the unzipped fastvideo wheel (the folder holding fastvideo/)")
-    parser.add_argument("--out", default=str(OUT), help=f"the JSON to write (default {OUT.relative_to(REPO)})")
+    parser.add_argument("--out", default=str(out), help=f"the JSON to write (default {out.relative_to(REPO)})")
     args = parser.parse_args(argv)
-    fv = install_fastvideo(Path(args.fastvideo))
+    fv = install(Path(args.fastvideo))
     if fv.version != EXPECTED_VERSION:
         raise SystemExit(f"--fastvideo {fv.root}: FastVideo {fv.version}, expected {EXPECTED_VERSION}")
+    return fv, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    fv, args = fastvideo_from_cli(argv, __doc__, OUT, install_fastvideo)
     torch.set_num_threads(1)
     golden = {
         "fastvideo_version": fv.version,

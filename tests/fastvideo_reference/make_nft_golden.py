@@ -39,7 +39,6 @@ Usage: see tests/fastvideo_reference/README.md. FastVideo is never a dependency 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib
 import json
@@ -643,13 +642,7 @@ def format_golden(golden: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fastvideo", required=True, help="the unzipped fastvideo wheel (the folder holding fastvideo/)")
-    parser.add_argument("--out", default=str(OUT), help=f"the JSON to write (default {OUT.relative_to(REPO)})")
-    args = parser.parse_args(argv)
-    fv = install_fastvideo(Path(args.fastvideo))
-    if fv.version != dmd2_golden.EXPECTED_VERSION:
-        raise SystemExit(f"--fastvideo {fv.root}: FastVideo {fv.version}, expected {dmd2_golden.EXPECTED_VERSION}")
+    fv, args = dmd2_golden.fastvideo_from_cli(argv, __doc__, OUT, install_fastvideo)
     torch.set_num_threads(1)
     # Wan's predict_noise enters torch.autocast("cpu", dtype=float32), which CPU autocast disables.
     warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")

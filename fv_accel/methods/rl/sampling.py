@@ -4,7 +4,7 @@ choice) and the policy's sampler over a role's `predict_noise` (Euler `ode` or `
 Every draw is FastVideo 0.2.1's, in its order, from the generator given: the start noise and each
 re-noising noise drawn in FastVideo's [B, T, C, H, W] layout and permuted to ours [B, C, T, H, W].
 The schedule is diffusers' `FlowMatchEulerDiscreteScheduler.set_timesteps` over a table that is
-already shifted, so the low end is shifted twice (shift 3, 4 steps: 1000, 931.8, 750.0, 8.93), as
+already shifted, so the low end is shifted twice (shift 3, 4 steps: 1000, 857.7, 602.2, 8.93), as
 FastVideo's sampler schedules it.
 """
 
