@@ -180,7 +180,7 @@ class NFTBatches:
         }
 
     def close(self) -> None:
-        pass
+        """Nothing to stop: the micro-batches are made on the calling thread, none read ahead."""
 
 
 class DiffusionNFTMethod(TrainingMethod):
