@@ -504,19 +504,6 @@ def build_callbacks(cfg: RunConfig, data_path: str, accelerator: Any = None) -> 
     return out + build_validation_callbacks(cfg, data_path, ema=ema, accelerator=accelerator)
 
 
-def warn_single_cpu_thread(acc: Any) -> None:
-    """One CPU process computing on one thread where the machine has more cores: `accelerate launch`
-    sets OMP_NUM_THREADS=1 for its processes unless OMP_NUM_THREADS or --num_cpu_threads_per_process
-    says otherwise (the Makefile's demo targets set it to the machine's cores)."""
-    cores = os.cpu_count() or 1
-    if acc.device.type == "cpu" and acc.num_processes == 1 and torch.get_num_threads() == 1 and cores > 1:
-        logger.warning(
-            "torch computes on 1 CPU thread (OMP_NUM_THREADS=%s) on a machine with %d cores: "
-            "`accelerate launch --num_cpu_threads_per_process %d ...` or OMP_NUM_THREADS=%d uses them all",
-            os.environ.get("OMP_NUM_THREADS", "unset"), cores, cores, cores,
-        )
-
-
 def build_from_config(
     path_or_dict: Union[str, os.PathLike, dict, RunConfig],
     overrides: Optional[dict[str, Any]] = None,
@@ -599,7 +586,9 @@ def _check_engine(cfg: RunConfig, acc: Any, resume: Optional[Path], resume_meta:
     from fv_accel.trainer import engine_steps_in_backward, resolve_nan_policy
 
     resolve_nan_policy(cfg, engine_steps_in_backward(acc), log=acc.is_main_process)  # nan_policy skip is refused under DeepSpeed
-    warn_single_cpu_thread(acc)
+    from fv_accel.cpu_threads import use_cpu_cores
+
+    use_cpu_cores(acc)
     if resume is not None:
         verify_resume_checkpoint(acc, resume, resume_meta)
 
