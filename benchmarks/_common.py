@@ -26,6 +26,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from fv_accel.process import quiet_libraries  # noqa: E402  (imports no library)
+
+# Before any benchmark imports diffusers or peft (which imports bitsandbytes, whose CPU backend
+# announces a missing 4-bit kernel package no benchmark uses).
+quiet_libraries()
 # On a shared CPU, OpenMP threads that spin at barriers while another process holds the core make
 # small ops many times slower (seen here: a tiny step 80 ms -> 1-4 s at load 8 on 2 cores). Passive
 # waiting keeps the figures meaningful; it must be set before torch starts its thread pool.

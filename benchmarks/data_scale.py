@@ -250,7 +250,10 @@ def wan_1_3b_model_rate() -> dict:
     dense bf16 peak, by benchmarks/gpu.sh's arithmetic (fv_accel.telemetry.train_step_flops)."""
     import yaml
 
+    from fv_accel.process import quiet_libraries
     from fv_accel.telemetry import PEAK_BF16_FLOPS, train_step_flops
+
+    quiet_libraries()  # before diffusers imports peft and bitsandbytes
 
     cfg = yaml.safe_load((REPO / "configs" / "gpu_bench_1_3b.yaml").read_text())["models"]["student"]["transformer_config"]
     import torch

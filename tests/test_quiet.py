@@ -48,6 +48,41 @@ def test_importing_the_package_writes_nothing_and_imports_no_optional_library():
     assert json.loads(done.stdout) == []
 
 
+QUIETING = ("_common", "fv_accel.models", "fv_accel.process")  # the modules that quiet the libraries
+LOUD = ("diffusers", "peft", "transformers", "bitsandbytes")
+
+
+def quieted_before_loud(path: Path) -> bool:
+    """Whether a script, read in source order (function bodies included), imports one of QUIETING
+    before its first import of a LOUD library (or imports none of them)."""
+    import ast
+
+    imports = sorted(
+        (node.lineno, name)
+        for node in ast.walk(ast.parse(path.read_text()))
+        for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+    )
+    for _, name in imports:
+        if name in QUIETING:
+            return True
+        if name.split(".")[0] in LOUD:
+            return False
+    return True
+
+
+@pytest.mark.slow
+def test_the_benchmarks_start_quietly():
+    """Every benchmark quiets the libraries before it imports them; `_common` (what they import) then
+    diffusers' Wan transformer and peft, as a benchmark's first step imports them: nothing on stderr
+    (no bitsandbytes 4-bit kernel notice)."""
+    scripts = sorted(p for p in (REPO / "benchmarks").glob("*.py") if p.name != "_common.py")
+    assert {p.name: quieted_before_loud(p) for p in scripts} == {p.name: True for p in scripts}
+    code = "import sys\nsys.path.insert(0, 'benchmarks')\nimport _common\nfrom diffusers import WanTransformer3DModel\nimport peft\n"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
 HELP_COMMANDS = [
     ["train_finetune.py"],
     ["train_dfsft.py"],
