@@ -1,46 +1,53 @@
 # Quick start: `make demo` (tiny DFSFT run), `make test` (the whole suite), `make bench` (the step-overhead
 # guard, docs/performance.md) and `make test-fast`
 # (an everyday subset, under a minute).
-# Each creates .venv if absent and installs the package with pinned dependencies: the demos what
-# they need (`pip install -e .`), the tests the dev extras on top (DeepSpeed, W&B, bitsandbytes,
-# prodigyopt, pytest), each step recorded by its own stamp file.
+# Each creates .venv if absent and installs the package with pinned dependencies (with uv): the demos
+# what they need (`-e .`), the tests the dev extras on top (DeepSpeed, W&B, bitsandbytes, prodigyopt,
+# pytest), each step recorded by its own stamp file. `.venv/bin/uv pip install ...` adds a package.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+UV := $(VENV)/bin/uv
+UV_VERSION := 0.13.9
 STAMP := $(VENV)/.fv_accel_installed
 DEV_STAMP := $(VENV)/.fv_accel_dev_installed
+# uv reads no pip configuration: pip's find-links (a folder of local wheels, such as a CPU build of
+# torch) are passed on to it, from PIP_FIND_LINKS or pip's config files.
+FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null))
+UV_INSTALL = $(UV) pip install -q --python $(PY) $(foreach d,$(FIND_LINKS),--find-links $(d))
 
 .PHONY: demo demo-finetune test test-fast bench install clean
 
+# The environment: a venv with uv in it (installed by the system's pip), then the package with pinned
+# dependencies installed by uv.
 $(STAMP): pyproject.toml
-	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e .
+	@test -x $(PY) || python3 -m venv --without-pip $(VENV)
+	@test -x $(UV) || python3 -m pip --python $(PY) install -q --disable-pip-version-check uv==$(UV_VERSION)
+	# torch pinned in the same command: an unpinned torch pulls a multi-GB CUDA build on CPU machines.
+	$(UV_INSTALL) torch==2.13.0 -e .
 	@touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	# DS_BUILD_OPS=0: DeepSpeed (a dev extra) installs without compiling its C++/CUDA extensions.
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[dev]"
+	# DeepSpeed (a dev extra, a source package) builds against the venv's torch, without compiling its
+	# C++/CUDA extensions (DS_BUILD_OPS=0); setuptools first, which that build imports.
+	$(UV_INSTALL) setuptools wheel
+	DS_BUILD_OPS=0 $(UV_INSTALL) --no-build-isolation-package deepspeed -e ".[dev]"
 	@touch $(DEV_STAMP)
 
 install: $(DEV_STAMP)
 
 # The demo starts afresh each time: a run refuses an output folder holding another run's checkpoints.
-# `accelerate launch` gives a lone CPU process one thread unless OMP_NUM_THREADS says otherwise: the
-# demos use every core (an OMP_NUM_THREADS already set is kept).
-DEMO_THREADS = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$$(nproc)}
 # Every launcher option given (one process, full precision, no compiler): `accelerate launch` without
-# a config file otherwise prints a notice listing the defaults it used.
+# a config file otherwise prints a notice listing the defaults it used. With no thread option the run
+# computes on every core (fv_accel.cpu_threads).
 DEMO_LAUNCH = $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 
 demo: $(STAMP)
 	rm -rf outputs/tiny_dfsft
-	$(DEMO_THREADS) $(DEMO_LAUNCH) train_dfsft.py
+	$(DEMO_LAUNCH) train_dfsft.py
 
 demo-finetune: $(STAMP)
 	rm -rf outputs/tiny_finetune
-	$(DEMO_THREADS) $(DEMO_LAUNCH) train_finetune.py
+	$(DEMO_LAUNCH) train_finetune.py
 
 # --durations: the 15 slowest tests, listed at the end.
 test: $(DEV_STAMP)
