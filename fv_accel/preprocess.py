@@ -241,25 +241,39 @@ def _pick_column(columns: Sequence[str], wanted: Optional[str], candidates: Sequ
     )
 
 
-def _decode_text_file(path: Path, encoding: str = "utf-8") -> str:
-    """A metadata or prompts file's text; bytes not in `encoding` are an InputError naming the line."""
+def _decode_text_file(path: Path, encoding: str = "utf-8", expected: str = EXPECTED_INPUT) -> str:
+    """A metadata or prompts file's text. Binary content (a NUL byte: a video, an archive) is an
+    InputError saying so; bytes not in `encoding` are one naming the line."""
     import codecs
 
     raw = path.read_bytes()
+    name = codecs.lookup(encoding).name
+    wide = name.startswith(("utf-16", "utf-32"))  # NUL bytes are part of their text
     try:
-        return raw.decode("utf-8-sig" if codecs.lookup(encoding).name == "utf-8" else encoding)
+        text = raw.decode("utf-8-sig" if name == "utf-8" else encoding)
     except UnicodeDecodeError as err:
+        if not wide and b"\0" in raw:
+            _refuse_binary(path, raw.index(b"\0"), expected)
         line = raw[: err.start].count(b"\n") + 1
         raise InputError(
             f"{path} line {line}: not valid {encoding} (byte {raw[err.start:err.end].hex(' ')}); pass "
             "--caption_encoding with the file's encoding (e.g. latin-1), or save it as UTF-8"
         ) from None
+    if "\0" in text:
+        _refuse_binary(path, raw.index(b"\0") if not wide else text.index("\0"), expected)
+    return text
 
 
-def _read_metadata(path: Path, encoding: str = "utf-8") -> tuple[list[str], list[dict]]:
+def _refuse_binary(path: Path, offset: int, expected: str) -> None:
+    ext = path.suffix.lower()
+    what = f"a video or image file ({ext})" if ext in MEDIA_EXTENSIONS else f"binary data (a NUL byte at offset {offset})"
+    raise InputError(f"{path}: {what}, not text; {expected}")
+
+
+def _read_metadata(path: Path, encoding: str = "utf-8", expected: str = EXPECTED_INPUT) -> tuple[list[str], list[dict]]:
     import io
 
-    text = _decode_text_file(path, encoding)
+    text = _decode_text_file(path, encoding, expected)
     if path.suffix.lower() == ".csv":
         reader = csv.DictReader(io.StringIO(text, newline=""))
         rows = list(reader)
@@ -565,41 +579,100 @@ def preprocess(
     reuse) each clip, write the shards, report (skipped.jsonl, fv_dataset.json).
     """
     t0 = time.perf_counter()
-    if shard_size < 1:
-        raise ValueError(f"shard_size: expected an integer >= 1, got {shard_size}")
     if audio_missing not in AUDIO_MISSING:
         raise ValueError(f"audio_missing: one of {', '.join(AUDIO_MISSING)}, got {audio_missing!r}")
-    if world_size > 1 and barrier is None:
-        raise ValueError("preprocess: several processes need a barrier (e.g. PartialState().wait_for_everyone)")
-    output = Path(output)
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device, dtype = _run_defaults("preprocess", shard_size, world_size, barrier, device, dtype)
     clips, form = list_inputs(
         input, video_column=video_column, caption_column=caption_column, split=split, caption_encoding=caption_encoding
     )
-    num_shards = max(1, math.ceil(len(clips) / shard_size))
     family, spec = _probe_model(model, revision, encoder)
     _check_buckets(spec, sampling, model)
-    check_output_writable(output)  # after the checks of the input: a refused run creates no folder
-    job = _EncodeJob(model, revision, sampling, output, device, dtype, vae_tiling, family, spec, encoder, audio_missing)
+    job = _EncodeJob(model, revision, sampling, Path(output), device, dtype, vae_tiling, family, spec, encoder, audio_missing)
+    source = str(Path(input).resolve()) if Path(input).exists() else input
+    return _run_job(job, clips, input, source, form, shard_size, rank, world_size, barrier, command, on_clip_done, t0)
+
+
+def _run_defaults(
+    name: str, shard_size: int, world_size: int, barrier: Optional[Callable[[], None]],
+    device: Optional[torch.device], dtype: Optional[torch.dtype],
+) -> tuple[torch.device, torch.dtype]:
+    """The arguments both modes check, and their device (CUDA where there is one) and dtype (bf16 on CUDA)."""
+    if shard_size < 1:
+        raise ValueError(f"shard_size: expected an integer >= 1, got {shard_size}")
+    if world_size > 1 and barrier is None:
+        raise ValueError(f"{name}: several processes need a barrier (e.g. PartialState().wait_for_everyone)")
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def _run_job(
+    job: "_EncodeJob", items: list[ClipSource], given: Union[str, Path], source: str, form: str, shard_size: int,
+    rank: int, world_size: int, barrier: Optional[Callable[[], None]], command: Optional[str],
+    on_done: Optional[Callable[[ClipSource, str], None]], t0: float,
+) -> PreprocessResult:
+    """What both modes do once the input is listed and the model probed: check the output folder
+    (writable, and not a dataset of another input: after the checks of the input, so that a refused
+    run creates no folder), start the job (resuming the rows it finds), encode and write this
+    process's shards (shard s holds items s * shard_size onwards), report."""
+    check_output_source(job, items, source)
+    check_output_writable(job.output)
+    job.input_source = source
     job.start(rank, command)
+    num_shards = max(1, math.ceil(len(items) / shard_size))
     if rank == 0:
-        logger.info("preprocessing %d clip(s) from %s (%s) on %d process(es)", len(clips), input, form, world_size)
+        logger.info("preprocessing %d %s(s) from %s (%s) on %d process(es)", len(items), job.unit, given, form, world_size)
     my_shards = [s for s in range(num_shards) if s % world_size == rank]
     from fv_accel.process import progress_bar
 
-    # Rank 0's clips (its shards): clips/s and the ETA on stderr (plain lines in a log file); the
+    # Rank 0's items (its shards): items/s and the ETA on stderr (plain lines in a log file); the
     # other ranks show none.
     progress = progress_bar(
-        sum(len(clips[s * shard_size : (s + 1) * shard_size]) for s in my_shards),
-        "preprocess" if world_size == 1 else f"preprocess (process 0 of {world_size})",
-        show=rank == 0, unit="clip",
+        sum(len(items[s * shard_size : (s + 1) * shard_size]) for s in my_shards),
+        job.label if world_size == 1 else f"{job.label} (process 0 of {world_size})",
+        show=rank == 0, unit=job.unit,
     )
     for s in my_shards:
-        rows, new_keys = job.encode_shard(clips[s * shard_size : (s + 1) * shard_size], progress, on_clip_done)
+        rows, new_keys = job.encode_shard(items[s * shard_size : (s + 1) * shard_size], progress, on_done)
         job.write_shard(s, num_shards, rows, new_keys)
     progress.close()
     return job.report(rank, world_size, barrier, num_shards, form, t0)
+
+
+def check_output_source(job: "_EncodeJob", items: Sequence[ClipSource], source: str) -> None:
+    """Raise InputError, one line naming the folder, when the job's output holds a finished dataset
+    (its fv_dataset.json) that this run would replace: one of the other kind (clips, prompts), or
+    one made from another input that shares no row with this one (by the rows' `job.identity`). The
+    same input again, or a copy of it edited, resumes or updates it; an unfinished folder (no
+    fv_dataset.json yet) is a run to resume."""
+    import pyarrow.parquet as pq
+
+    from fv_accel.data.schema import read_dataset_info
+
+    try:
+        info = read_dataset_info(job.output) if job.output.is_dir() else {}
+    except ValueError:  # not valid JSON: no dataset to keep, and the run writes the file again
+        return
+    if not info.get("num_rows"):
+        return
+    was_text_only = info.get("preprocessed_data_type") == TEXT_ONLY
+    recorded = info.get("source")
+    if was_text_only == job.text_only:
+        if recorded == source:
+            return
+        ours = {job.identity(item) for item in items} - {None}
+        for f in job.output.glob("data-*-of-*.parquet"):
+            try:
+                if ours.intersection(pq.read_table(f, columns=[job.identity_column]).column(0).to_pylist()):
+                    return
+            except Exception:  # noqa: BLE001 - an unreadable shard holds no row to keep
+                continue
+    held = "text-only dataset (prompts)" if was_text_only else "dataset of clips"
+    made = f" made from {recorded}" if recorded is not None else ""
+    raise InputError(
+        f"--output {job.output}: holds a {info['num_rows']}-row {held}{made}; preprocessing the "
+        f"{'prompts' if job.text_only else 'clips'} of {source} there would replace it: choose another --output, or "
+        "remove the folder first"
+    )
 
 
 def _probe_model(model: str, revision: Optional[str], encoder: Any) -> tuple[Any, Any]:
@@ -645,6 +718,10 @@ class _EncodeJob:
     the rows already encoded (reused by key) and the counts; its stages encode a shard's clips,
     write the shard and report."""
 
+    # The log's and progress bar's words, the kind of rows, and the column by which a row of an
+    # earlier run holds the same item as this run's (check_output_source; `identity` gives it).
+    unit, label, text_only, identity_column = "clip", "preprocess", False, "id"
+
     def __init__(
         self, model: str, revision: Optional[str], sampling: FrameSampling, output: Path, device: torch.device,
         dtype: torch.dtype, vae_tiling: bool, family: Any, spec: Any, encoder: Any, audio_missing: str = AUDIO_MISSING[0],
@@ -671,6 +748,7 @@ class _EncodeJob:
         self.rank = 0
         self.stats = _Stats()
         self.store: Optional[_RowStore] = None
+        self.input_source: Optional[str] = None  # recorded in fv_dataset.json (check_output_source reads it)
 
     def start(self, rank: int, command: Optional[str]) -> None:
         """The pending folder, the command kept in it, and the rows found from an earlier run."""
@@ -766,6 +844,9 @@ class _EncodeJob:
         """The `id` and `file_name` of a clip's row."""
         return {"id": clip.name, "file_name": clip.name}
 
+    def identity(self, clip: ClipSource) -> Optional[str]:
+        return clip.name
+
     def _clip_row(self, clip: ClipSource, new_keys: list[str]) -> tuple[str, Optional[dict]]:
         """("encoded" | "reused" | "skipped", the clip's row or None)."""
         stats, store = self.stats, self.store
@@ -829,7 +910,8 @@ class _EncodeJob:
                 stats_found = (config.get("latents_mean"), config.get("latents_std")) if config.get("latents_mean") else None
             else:  # nothing was encoded by this process: read the statistics, load nothing
                 stats_found = self.family.latent_statistics(self.model, self.revision)
-            result = _finish(self.output, num_shards, world_size, form, self.dataset_info(stats_found))
+            info = {**self.dataset_info(stats_found), "source": self.input_source}
+            result = _finish(self.output, num_shards, world_size, form, info)
             result.seconds = time.perf_counter() - t0
         if world_size > 1:
             barrier()
@@ -1029,7 +1111,7 @@ def list_prompts(
     if not p.is_file():
         raise InputError(f"--prompts {p}: {'a folder, not a file' if p.is_dir() else 'no such file'}; {EXPECTED_PROMPTS}")
     if p.suffix.lower() in PROMPT_TABLES:
-        columns, rows = _read_metadata(p, caption_encoding)
+        columns, rows = _read_metadata(p, caption_encoding, EXPECTED_PROMPTS)
         column = _pick_column(columns, caption_column, PROMPT_COLUMNS, "prompt", str(p))
         if not rows:
             raise InputError(f"{p}: no rows; {EXPECTED_PROMPTS}")
@@ -1039,7 +1121,7 @@ def list_prompts(
         ]
         return prompts, f"{p.suffix.lower()[1:].upper()} file of prompts (column '{column}')", PromptReport()
     prompts, blank = [], 0
-    for n, line in enumerate(_decode_text_file(p, caption_encoding).splitlines(), 1):
+    for n, line in enumerate(_decode_text_file(p, caption_encoding, EXPECTED_PROMPTS).splitlines(), 1):
         if line.strip():
             prompts.append(ClipSource(len(prompts), f"{p.name} line {n}", caption=line.strip()))
         else:
@@ -1076,6 +1158,8 @@ class _PromptJob(_EncodeJob):
     key hashes the prompt as the model encodes it and the settings, and rows are kept, reused and
     assembled into shards as clips' are (`_EncodeJob`)."""
 
+    unit, label, text_only, identity_column = "prompt", "preprocess prompts", True, "caption"  # a prompt's text
+
     def __init__(self, model: str, revision: Optional[str], output: Path, device: torch.device, dtype: torch.dtype,
                  family: Any, spec: Any, encoder: Any, source: Path, report: PromptReport):
         import dataclasses
@@ -1092,6 +1176,10 @@ class _PromptJob(_EncodeJob):
 
     def row_names(self, clip: ClipSource) -> dict:
         return {"id": clip.name, "file_name": self.source.name}
+
+    def identity(self, clip: ClipSource) -> Optional[str]:
+        """The prompt as the model encodes it (a row's `caption`)."""
+        return None if clip.problem is not None else self.pipeline_prompt(clip.caption.strip())
 
     def _clip_row(self, clip: ClipSource, new_keys: list[str]) -> tuple[str, Optional[dict]]:
         """("encoded" | "reused" | "duplicate" | "skipped", the prompt's row or None)."""
@@ -1172,35 +1260,16 @@ def preprocess_prompts(
     skipped.jsonl (empty prompts of a CSV). Resumable and shardable over processes as `preprocess`.
     Duplicates and blank lines are counted in the result's `prompts` and in fv_dataset.json."""
     t0 = time.perf_counter()
-    if shard_size < 1:
-        raise ValueError(f"shard_size: expected an integer >= 1, got {shard_size}")
-    if world_size > 1 and barrier is None:
-        raise ValueError("preprocess_prompts: several processes need a barrier (e.g. PartialState().wait_for_everyone)")
-    output = Path(output)
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device, dtype = _run_defaults("preprocess_prompts", shard_size, world_size, barrier, device, dtype)
     items, form, report = list_prompts(prompts, caption_column, caption_encoding)
     family, spec = _probe_model(model, revision, encoder)
-    check_output_writable(output)
-    job = _PromptJob(model, revision, output, device, dtype, family, spec, encoder, Path(prompts), report)
+    job = _PromptJob(model, revision, Path(output), device, dtype, family, spec, encoder, Path(prompts), report)
     report.duplicates = find_duplicate_prompts(items, job.pipeline_prompt)
-    job.start(rank, command)
-    num_shards = max(1, math.ceil(len(items) / shard_size))
-    if rank == 0:
-        logger.info("preprocessing %d prompt(s) from %s (%s) on %d process(es)", len(items), prompts, form, world_size)
-        if report.duplicates:
-            logger.warning("%d prompt(s) repeat an earlier one (first: %s repeats %s): each kept as a row of its own",
-                           len(report.duplicates), *report.duplicates[0])
-    from fv_accel.process import progress_bar
-
-    my_shards = [s for s in range(num_shards) if s % world_size == rank]
-    progress = progress_bar(sum(len(items[s * shard_size : (s + 1) * shard_size]) for s in my_shards),
-                            "preprocess prompts", show=rank == 0, unit="prompt")
-    for s in my_shards:
-        rows, new_keys = job.encode_shard(items[s * shard_size : (s + 1) * shard_size], progress, on_prompt_done)
-        job.write_shard(s, num_shards, rows, new_keys)
-    progress.close()
-    return job.report(rank, world_size, barrier, num_shards, form, t0)
+    if rank == 0 and report.duplicates:
+        logger.warning("%d prompt(s) repeat an earlier one (first: %s repeats %s): each kept as a row of its own",
+                       len(report.duplicates), *report.duplicates[0])
+    source = str(Path(prompts).resolve())
+    return _run_job(job, items, prompts, source, form, shard_size, rank, world_size, barrier, command, on_prompt_done, t0)
 
 
 # --------------------------------------------------------------------------------------------

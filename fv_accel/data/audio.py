@@ -197,8 +197,16 @@ def audio_report(output: Path, pending: Path, shards: list[Path], skipped: list)
         "padded": [name for name, _, n in noted if n.get("padded_seconds", 0) > 0],
         "cut": [name for name, _, n in noted if n.get("cut_seconds", 0) > 0],
         "skipped_without_sound": skipped_names,
+        "frame_rates": _frame_rates(shards, {k for _, k, _ in noted}),
     }
     log = logging.getLogger("fv_accel.preprocess")
+    if len(report["frame_rates"]) > 1:
+        log.warning(
+            "clips at %d frame rates (%s): the same frame count spans another time at each, so their sound latents "
+            "differ in length and training batches each length apart; --target_fps samples every clip at one rate",
+            len(report["frame_rates"]),
+            "; ".join(f"{rate} fps: {len(names)} clip(s), {', '.join(names[:3])}" for rate, names in report["frame_rates"].items()),
+        )
     if report["without_sound"]:
         log.warning("%d clip(s) have no audio track: kept, trained video-only: %s", len(report["without_sound"]), ", ".join(report["without_sound"][:5]))
     if report["padded"]:
@@ -206,6 +214,19 @@ def audio_report(output: Path, pending: Path, shards: list[Path], skipped: list)
     if report["cut"]:
         log.info("%d clip(s) have sound longer than their picture: cut at its end: %s", len(report["cut"]), ", ".join(report["cut"][:5]))
     return {"audio": report}
+
+
+def _frame_rates(shards: list[Path], keys: set) -> dict[str, list[str]]:
+    """The names of the rows of `keys` by the frame rate of their sampled picture ('8', '12.5'),
+    slowest first."""
+    import pyarrow.parquet as pq
+
+    by_rate: dict[float, list[str]] = {}
+    for f in shards:
+        for row in pq.read_table(f, columns=["id", "fv_key", "fps"]).to_pylist():
+            if row["fv_key"] in keys:
+                by_rate.setdefault(round(float(row["fps"] or 0.0), 3), []).append(row["id"])
+    return {f"{rate:g}": names for rate, names in sorted(by_rate.items())}
 
 
 def audio_summary(report: dict) -> str:

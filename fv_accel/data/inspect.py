@@ -8,7 +8,10 @@ latent statistics are recorded (fv_dataset.json), the rows no step can take at B
 step, and the open time. Exit status 2 with one `error: ...` line when the dataset cannot be opened.
 
 `--check` then reads every row once, one at a time, and lists the rows whose stored tensors cannot
-be decoded, have the wrong shape or dtype, or hold NaN/inf (file, row, id): exit status 1 if any.
+be decoded, have the wrong shape or dtype, or hold NaN/inf (file, row, id), and the files that
+cannot be read or lack the columns of the dataset's type (a text-only dataset has no latents):
+exit status 1 if any row is at fault, else 2 when the dataset cannot be opened (its `error: ...`
+line is not repeated).
 """
 
 from __future__ import annotations
@@ -76,13 +79,15 @@ def report(path: str, *, batch_size: int = 1, num_processes: int = 1, grad_accum
     for name in ("text_embedding",) if ds.text_only else ("vae_latent", "text_embedding"):
         counts = Counter(rows.columns[f"{name}_dtype"])
         lines.append(f"  {name}: " + ", ".join(f"{d} x {n}" for d, n in counts.most_common()))
-    channels = sorted({s[0] for s in ds.latent_shapes})
+    channels = ", ".join(str(c) for c in sorted({s[0] for s in ds.latent_shapes})) or "none (text-only)"
     widths = sorted({s[-1] for s in ds.text_shapes})
-    lines.append(f"latent channels: {', '.join(map(str, channels))}; text width: {', '.join(map(str, widths))}")
+    lines.append(f"latent channels: {channels}; text width: {', '.join(map(str, widths))}")
     buckets = Counter(ds.bucket_key(i) for i in range(len(ds)))
-    lines.append(f"buckets (latent T, H, W): {len(buckets)}")
-    for key, n in sorted(buckets.items()):
-        lines.append(f"  {key}: {n} row(s)")
+    if ds.text_only:
+        lines.append(f"buckets: 1 (text-only: all {len(ds)} row(s); the rollout's shape is the recipe's)")
+    else:
+        lines.append(f"buckets (latent T, H, W{', audio length' if ds.audio_lengths else ''}): {len(buckets)}")
+        lines += [f"  {key}: {n} row(s)" for key, n in sorted(buckets.items())]
     info = read_dataset_info(path)
     mean = info.get("latents_mean")
     if mean and info.get("latents_std"):
@@ -160,24 +165,36 @@ def _file_rows(pf: Any, columns: list[str]) -> Iterator[dict]:
         yield row
 
 
-def check_rows(path: str) -> tuple[int, list[str]]:
+def check_rows(path: str) -> tuple[int, list[str], list[tuple[str, str]]]:
     """Every row of the dataset read once, one row at a time (pyarrow holds the pages being decoded,
     a few rows at most, never a row group or a file): (rows read, one line per row with problems,
-    naming its file, row and id, and one per file that cannot be read)."""
+    naming its file, row and id, and (file, problem) for each file that cannot be read or lacks
+    columns). The columns required are those of the dataset's type, as the loader decides it from
+    the first file: a text-only dataset's rows have no VAE latent."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from fv_accel.data.parquet_rows import unreadable
-    from fv_accel.data.schema import REQUIRED_COLUMNS, local_dataset_path, parquet_files, tensor_column_names
+    from fv_accel.data.schema import (
+        REQUIRED_COLUMNS,
+        TEXT_EMBEDDING_COLUMNS,
+        columns_are_text_only,
+        local_dataset_path,
+        parquet_files,
+        tensor_column_names,
+    )
 
-    read, problems = 0, []
+    read, problems, file_problems = 0, [], []
+    required = None
     for file in parquet_files(local_dataset_path(path)):
         try:
             pf = pq.ParquetFile(file, pre_buffer=False, buffer_size=ROW_READ_BUFFER)
             names = set(pf.schema_arrow.names)
-            missing = [c for c in REQUIRED_COLUMNS if c not in names]
+            if required is None:
+                required = TEXT_EMBEDDING_COLUMNS if columns_are_text_only(names) else REQUIRED_COLUMNS
+            missing = [c for c in required if c not in names]
             if missing:
-                problems.append(f"{file}: missing column(s) {', '.join(missing)}")
+                file_problems.append((str(file), f"missing column(s) {', '.join(missing)}"))
                 continue
             stored = [f"{name}_{part}" for name in tensor_column_names() for part in ("bytes", "shape", "dtype")]
             columns = [c for c in ("id", *stored) if c in names]
@@ -188,25 +205,32 @@ def check_rows(path: str) -> tuple[int, list[str]]:
                     ident = f" (id {row['id']!r})" if row.get("id") else ""
                     problems.append(f"{file} row {r}{ident}: {'; '.join(found)}")
         except (OSError, pa.ArrowException) as err:
-            problems.append(str(unreadable(file, err)))
-    return read, problems
+            file_problems.append((str(file), str(unreadable(file, err))[len(str(file)) + 2 :]))
+    return read, problems, file_problems
 
 
-def _check(path: str, opened: bool) -> int:
-    """`--check`: the row check's lines; exit status 1 for any problem, 2 when only the open failed
-    (whose `error: ...` line is printed already)."""
+def _check(path: str, open_error: Optional[str]) -> int:
+    """`--check`: the row check's lines. Exit status 1 for any problem when the dataset opened; when
+    it did not (`open_error`, printed already), the files' problems that line said already are not
+    repeated, and the status is 1 only for a row at fault, else 2."""
     try:
-        read, problems = check_rows(path)
+        read, row_lines, file_problems = check_rows(path)
     except (ValueError, FileNotFoundError) as err:
-        if opened:
+        if open_error is None:
             print(f"error: {err}", file=sys.stderr)
         return 2
-    if not problems:
-        print(f"check: {read} row(s) read, no problems")
-        return 0 if opened else 2
-    print(f"check: {read} row(s) read; {len(problems)} problem(s):")
-    print("\n".join(f"  {line}" for line in problems))
-    return 1
+    if open_error is not None:
+        # The open's line names the unreadable file it stopped at, or the dataset for missing columns.
+        said = [(f, what) for f, what in file_problems if what in open_error and (f in open_error or what.startswith("missing"))]
+        file_problems = [p for p in file_problems if p not in said]
+    lines = [f"{f}: {what}" for f, what in file_problems] + row_lines
+    if not lines:
+        if open_error is None or read:
+            print(f"check: {read} row(s) read, no problems")
+        return 0 if open_error is None else 2
+    print(f"check: {read} row(s) read; {len(lines)} problem(s):")
+    print("\n".join(f"  {line}" for line in lines))
+    return 1 if open_error is None or row_lines else 2
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -230,9 +254,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         lines = report(args.path, batch_size=args.batch_size, num_processes=args.num_processes, grad_accum=args.grad_accum)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return _check(args.path, opened=False) if args.check else 2
+        return _check(args.path, open_error=str(err)) if args.check else 2
     print("\n".join(lines))
-    return _check(args.path, opened=True) if args.check else 0
+    return _check(args.path, open_error=None) if args.check else 0
 
 
 if __name__ == "__main__":

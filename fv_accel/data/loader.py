@@ -48,7 +48,9 @@ TEXT_MAX_LENGTH = 512
 # pooled text, LTX-2's audio text), which a caption dropout replaces too.
 EXTRA_TEXT_KEYS = ("pooled_text_embedding", "text_embedding_2", "text_attention_mask_2", "audio_text_embedding")
 # Columns read whole when a dataset is opened (the rest is read by row group when a row is asked for).
-SMALL_COLUMNS = ("id", "vae_latent_shape", "vae_latent_dtype", "text_embedding_shape", "text_embedding_dtype")
+SMALL_COLUMNS = (
+    "id", "vae_latent_shape", "vae_latent_dtype", "text_embedding_shape", "text_embedding_dtype", "audio_latent_shape",
+)
 
 
 class LatentDataset(Dataset):
@@ -104,6 +106,10 @@ class LatentDataset(Dataset):
         latent_shapes = [] if self.text_only else self.rows.columns["vae_latent_shape"]
         self.latent_shapes = [tuple(int(v) for v in s) for s in latent_shapes]
         self.text_shapes = [tuple(int(v) for v in s) for s in self.rows.columns["text_embedding_shape"]]
+        # LTX-2's audio latent length L of [C, L, M] per row: clips at other frame rates have other
+        # lengths for the same picture, and a batch holds one (empty for a dataset without sound).
+        audio_shapes = self.rows.columns.get("audio_latent_shape") or []
+        self.audio_lengths = [int(s[-2]) if s else 0 for s in audio_shapes]
         # Image-to-video columns this dataset has (read into the batch where a row holds them).
         self.conditioning_columns = [c for c in CONDITIONING_COLUMNS if f"{c}_bytes" in self.rows.column_names]
         self.text_columns = [c for c in TEXT_COLUMNS if f"{c}_bytes" in self.rows.column_names]
@@ -159,8 +165,11 @@ class LatentDataset(Dataset):
         return len(self.rows)
 
     def bucket_key(self, i: int) -> tuple[int, ...]:
-        # (T, H, W); the rows of a text-only dataset share one bucket (the rollout's shape is the recipe's).
-        return () if self.text_only else self.latent_shapes[i][1:]
+        # (T, H, W), and the audio latent length for rows with sound; the rows of a text-only dataset
+        # share one bucket (the rollout's shape is the recipe's).
+        if self.text_only:
+            return ()
+        return self.latent_shapes[i][1:] + ((self.audio_lengths[i],) if self.audio_lengths else ())
 
     def __getitem__(self, key: Any) -> dict:
         index, epoch, position = key if isinstance(key, tuple) else (key, 0, 0)
@@ -630,7 +639,8 @@ class BucketBatchSampler:
         """Samples in a bucket smaller than one step are in no step of any epoch: say so once."""
         small = {key: len(idx) for key, idx in self._buckets().items() if len(idx) < self.group_size}
         if small:
-            shapes = ", ".join(f"{n} of latent (T, H, W) {key}" for key, n in sorted(small.items()))
+            axes = {3: "latent (T, H, W)", 4: "latent (T, H, W) and audio length"}  # audio: clips with sound (LTX-2)
+            shapes = ", ".join(f"{n} of {axes.get(len(key), 'bucket')} {key}" for key, n in sorted(small.items()))
             logger.warning(
                 "%d sample(s) will never be trained: their bucket holds fewer samples than one step takes "
                 "(%d = batch %d x %d processes x %d accumulation): %s; lower training.data.train_batch_size "
