@@ -110,6 +110,45 @@ def test_resume_equals_a_straight_run_bitwise(tmp_path):
     assert json.loads((out / "self_forcing.json").read_text())["chunk_size"] == 3
 
 
+def test_score_window_is_not_applied_and_streaming_timesteps_are_integers(tmp_path, caplog):
+    """As FastVideo 0.2.1's Self-Forcing: a score window in the recipe (FastVideo's 0.02/0.98) is announced once as
+    not applied and the score timesteps span [0, 1000]; the student's streaming forwards get integer
+    timesteps (`timestep.long()`: warped 937.5 -> 937, context 150.5 -> 150), which student_steps.json
+    records for generate. The window's effect on the losses: test_self_forcing_parity.py."""
+    import logging
+
+    over = {"method.warp_denoising_step": True, "models.student.flow_shift": 5.0, "method.last_step_only": True,
+            "method.context_noise": 150.5, "method.student_sample_type": "ode",
+            "method.min_timestep_ratio": 0.02, "method.max_timestep_ratio": 0.98}
+    with caplog.at_level(logging.WARNING, logger="fv_accel.methods.distribution_matching.self_forcing"):
+        run = build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / "a", **over))
+    m = run.method
+    notices = [r.getMessage() for r in caplog.records if "max_timestep_ratio" in r.getMessage()]
+    assert notices == [
+        "method.min_timestep_ratio/max_timestep_ratio 0.02/0.98 have no effect on self_forcing: FastVideo's "
+        "Self-Forcing does not apply them (its score timesteps span [0, 1000]) and neither does fv_accel; "
+        "they apply to dmd2"
+    ]
+    assert m._score_bounds == (0, 1000) and m.math_signature()["method.score_timestep_bounds"] == [0, 1000]
+    given = []
+    predict_noise = m.student.predict_noise
+
+    def recording(x, t, *args, **kwargs):
+        given.append((t.dtype, sorted({int(v) for v in t.flatten()})))
+        return predict_noise(x, t, *args, **kwargs)
+
+    m.student.predict_noise = recording
+    with torch.no_grad():
+        m.student_rollout(_tb(m, next(iter(run.dataloader))), with_grad=False)
+    assert {dtype for dtype, _ in given} == {torch.long}
+    assert [values for _, values in given] == [[1000], [937], [833], [625], [150], [1000], [937], [833], [625]]
+    assert m.student_steps_record()["timesteps"] == [1000.0, 937.0, 833.0, 625.0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fv_accel.methods.distribution_matching.self_forcing"):
+        build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / "b"))  # the recipe sets no window
+    assert not [r for r in caplog.records if "max_timestep_ratio" in r.getMessage()]
+
+
 def test_refusals_are_one_line_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="train_self_forcing.py runs self_forcing"):
         from fv_accel.config import parse_cli
@@ -128,11 +167,9 @@ def test_refusals_are_one_line_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match="models.teacher.causal: false"):
         build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / "t", **{"models.teacher.causal": True,
                                                                                   "models.critic.causal": False}))
-    # A clip whose latent frames do not fill whole chunks: refused at the first rollout, naming the keys.
-    run = build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / "chunks", **{"method.chunk_size": 4}))
-    batch = next(iter(run.dataloader))
-    with pytest.raises(ValueError, match="6 latent frames is not a multiple of method.chunk_size 4"):
-        run.method.single_train_step(batch, 1)
+    # A clip whose latent frames do not fill whole chunks: refused at build, naming the keys.
+    with pytest.raises(ConfigError, match="6 latent frames is not a multiple of method.chunk_size 4"):
+        build_from_config(SF_RECIPE, self_forcing_overrides(tmp_path / "chunks", **{"method.chunk_size": 4}))
     # Sparse attention does not combine with the block-causal student.
     with pytest.raises(ConfigError, match="video sparse attention does not combine with a block-causal student"):
         load_config(SF_RECIPE, self_forcing_overrides(tmp_path / "vsa", **{"training.vsa.sparsity": 0.5}))

@@ -5,9 +5,11 @@ seeds, every iteration's generator, fake-score and total loss equals, to 1e-5 re
 FastVideo's own `SelfForcingMethod.single_train_step` computed
 (tests/data/self_forcing_fastvideo_golden.json), and both generators (the rank's, and the rollout's,
 which FastVideo keeps in torch's global generator) end each iteration in the same state. The cases
-cover sde and ode stepping, context noise, one exit step for all chunks, the last step only, chunks
-of 1, 2 and 3 latent frames, warped steps, generator_update_interval 1 and 5, guidance 1 and 4,
-score bounds and a different flow_shift per role."""
+cover batch 1 and 2 (FastVideo draws the rollout's noises in another layout at batch 1), sde and
+ode stepping, context noise, one exit step for all chunks, the last step only, chunks of 1, 2 and 3
+latent frames, warped steps, generator_update_interval 1, 2 and 5, guidance 1 and 4, a different
+flow_shift per role, and score windows (min/max_timestep_ratio) that FastVideo's Self-Forcing does
+not apply, with score draws inside and outside them."""
 
 from __future__ import annotations
 
@@ -62,8 +64,13 @@ def state_sha256(generator: torch.Generator) -> str:
     return hashlib.sha256(generator.get_state().numpy().tobytes()).hexdigest()
 
 
+def case_shapes(case: dict[str, Any]) -> dict[str, int]:
+    """The case's shapes: the file's, with the case's own (its batch size) over them."""
+    return {**GOLDEN["shapes"], **case.get("shapes", {})}
+
+
 def case_overrides(case: dict[str, Any], tmp_path: Path, data_path: str) -> dict[str, Any]:
-    s = GOLDEN["shapes"]
+    s = case_shapes(case)
     extra: dict[str, Any] = {"method.min_timestep_ratio": 0.0, "method.max_timestep_ratio": 1.0}
     extra.update({f"method.{key}": case["method"][key] for key in METHOD_KEYS if key in case["method"]})
     extra.update({f"models.{role}.flow_shift": shift for role, shift in case["flow_shift"].items()})
@@ -81,11 +88,27 @@ def case_overrides(case: dict[str, Any], tmp_path: Path, data_path: str) -> dict
     return self_forcing_overrides(tmp_path, **extra)
 
 
+def score_draws_against_window(case: dict[str, Any]) -> tuple[int, int]:
+    """(inside, outside): the teacher's and critic's timesteps against the case's score window."""
+    n = 1000
+    lo = int(case["method"].get("min_timestep_ratio", 0.0) * n)
+    hi = int(case["method"].get("max_timestep_ratio", 1.0) * n)
+    ts = [c["timestep"] for r in case["results"] for c in r["model_calls"] if c["role"] != "student"]
+    inside = sum(lo <= t <= hi for t in ts)
+    return inside, len(ts) - inside
+
+
 def test_golden_file_is_fastvideo_0_2_1():
     assert GOLDEN["fastvideo_version"] == "0.2.1"
-    assert len(GOLDEN["cases"]) >= 8
+    assert len(GOLDEN["cases"]) >= 13
     assert {c["method"]["student_sample_type"] for c in GOLDEN["cases"]} == {"sde", "ode"}
     assert {c["method"]["chunk_size"] for c in GOLDEN["cases"]} == {1, 2, 3}
+    batch1 = [c for c in GOLDEN["cases"] if case_shapes(c)["B"] == 1]
+    assert {c["method"]["student_sample_type"] for c in batch1} == {"sde", "ode"}
+    assert any(c["method"]["context_noise"] > 0 and c["method"]["student_sample_type"] == "ode" for c in batch1)
+    # Cases whose score draws fall on both sides of their window: applying it would change them.
+    windowed = [score_draws_against_window(c) for c in GOLDEN["cases"] if c["method"].get("min_timestep_ratio", 0) >= 0.3]
+    assert len(windowed) >= 2 and all(inside > 0 and outside > 0 for inside, outside in windowed), windowed
 
 
 @pytest.mark.parametrize("case", GOLDEN["cases"], ids=[case["name"] for case in GOLDEN["cases"]])
@@ -98,7 +121,7 @@ def test_self_forcing_losses_match_fastvideo(case, tmp_path, tiny_data_path):
         install_standins(method)
         method.cuda_generator.manual_seed(GOLDEN["generator_seed"])
         method.rollout_generator.manual_seed(GOLDEN["rollout_seed"])
-        batch = standin_batch(**GOLDEN["shapes"], seed=GOLDEN["batch_seed"])
+        batch = standin_batch(**case_shapes(case), seed=GOLDEN["batch_seed"])
         for record in case["results"]:
             iteration = record["iteration"]
             loss_map, _, metrics = method.single_train_step(batch, iteration)

@@ -9,6 +9,9 @@ plus a term of the cache, `CONTEXT_WEIGHT * sum_k mean(x_k) * (1 + t_k / 1000)` 
 the chunks written into the cache (x_k and t_k what the write forward was given), so what goes into
 the cache (the chunk's x0, its context noise and timestep) moves the losses. The rollout's noises
 come from torch's global generator, seeded with ROLLOUT_SEED once before the first iteration.
+A case's `shapes` (batch 1) replace those of the file's head; FastVideo's rollout draws its noises
+in another memory layout at batch 1 than above. The window cases set min/max_timestep_ratio, which
+FastVideo's Self-Forcing does not apply: their score draws fall inside and outside the window.
 
 Usage: see tests/fastvideo_reference/README.md. FastVideo is never a dependency of fv_accel."""
 
@@ -48,7 +51,8 @@ def standin_context(entries: list[tuple[torch.Tensor, float]], batch_size: int) 
 
 
 def _case(name: str, *, chunk=3, sample_type="sde", context_noise=0, same_step=False, last_step_only=False,
-          steps=STEPS_4, warp=False, interval=1, guidance=1.0, bounds=None, shifts=(3.0, 3.0, 3.0)) -> dict[str, Any]:
+          steps=STEPS_4, warp=False, interval=1, guidance=1.0, bounds=None, shifts=(3.0, 3.0, 3.0),
+          batch_size=None) -> dict[str, Any]:
     method = {
         "rollout_mode": "simulate",
         "chunk_size": chunk,
@@ -62,10 +66,14 @@ def _case(name: str, *, chunk=3, sample_type="sde", context_noise=0, same_step=F
         "real_score_guidance_scale": guidance,
         **(bounds or {}),
     }
-    return {"name": name, "method": method, "flow_shift": dict(zip(("student", "teacher", "critic"), shifts))}
+    case = {"name": name, "method": method, "flow_shift": dict(zip(("student", "teacher", "critic"), shifts))}
+    if batch_size is not None:
+        case["shapes"] = {"B": batch_size}
+    return case
 
 
 BOUNDS = dmd2_golden.BOUNDS
+WINDOW = {"min_timestep_ratio": 0.3, "max_timestep_ratio": 0.7}
 CASES = [
     _case("sde_base"),
     _case("ode_base", sample_type="ode"),
@@ -77,7 +85,17 @@ CASES = [
     _case("ode_warp_interval5_bounds_shift5", sample_type="ode", warp=True, interval=5, bounds=BOUNDS,
           shifts=(5.0, 5.0, 5.0)),
     _case("sde_two_steps_chunk1", chunk=1, steps=[1000, 500], guidance=4.0),
+    _case("sde_batch1", batch_size=1),
+    _case("ode_batch1_context_noise_warp_shift5", sample_type="ode", context_noise=150, warp=True, shifts=(5.0, 5.0, 5.0),
+          batch_size=1),
+    _case("sde_batch1_chunk2_context_noise_window_cfg", chunk=2, context_noise=100, guidance=4.0, bounds=WINDOW,
+          batch_size=1),
+    _case("ode_window_interval2", sample_type="ode", interval=2, bounds=WINDOW),
 ]
+
+
+def case_shapes(case: dict[str, Any]) -> dict[str, int]:
+    return {**SHAPES, **case.get("shapes", {})}
 
 
 def install_fastvideo(root: Path) -> types.SimpleNamespace:
@@ -119,8 +137,10 @@ def standin_causal_class(fv: types.SimpleNamespace) -> type:
 
 def build_method(fv: types.SimpleNamespace, case: dict[str, Any]) -> Any:
     shifts = case["flow_shift"]
+    shapes = case_shapes(case)
     tc = dmd2_golden.training_config(fv, shifts["student"])
-    tc.data.num_latent_t = SHAPES["T"]
+    tc.data.num_latent_t = shapes["T"]
+    tc.data.train_batch_size = shapes["B"]
     causal_cls = standin_causal_class(fv)
     plain_cls = dmd2_golden.standin_wan_class(fv)
     call_log: list[dict[str, Any]] = []
@@ -140,7 +160,7 @@ def state_sha256(state: torch.Tensor) -> str:
 
 def run_case(fv: types.SimpleNamespace, case: dict[str, Any]) -> list[dict[str, Any]]:
     method = build_method(fv, case)
-    batch = standin_batch(**SHAPES, seed=dmd2_golden.BATCH_SEED)
+    batch = standin_batch(**case_shapes(case), seed=dmd2_golden.BATCH_SEED)
     torch.manual_seed(ROLLOUT_SEED)
     records = []
     for iteration in ITERATIONS:
@@ -181,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             "method": case["method"],
             "flow_shift": case["flow_shift"],
             "pipeline_flow_shift": case["flow_shift"]["student"],
+            **({"shapes": case["shapes"]} if "shapes" in case else {}),
             "results": run_case(fv, case),
         })
         print(case["name"], [r["total_loss"]["value"] for r in golden["cases"][-1]["results"]])

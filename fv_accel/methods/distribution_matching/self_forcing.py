@@ -9,15 +9,19 @@ x0 with gradient (where `enable_gradient_in_rollout` and the chunk starts at or 
 `start_gradient_frame`). Between steps the chunk's x0 goes to the next step: `sde` re-noises it
 with fresh noise, `ode` keeps the current noise direction (an Euler step). A finished chunk is
 written into the cache by one more forward, of its x0 detached, re-noised to the timestep
-`context_noise` (a timestep value; 0 keeps it clean). The DMD gradient and the critic's
-flow-matching loss act on the whole rolled-out clip, as in DMD2 (`DMD2Method`). Every noising and
-every role's x0 uses the student's training table.
+`context_noise` (a timestep value; 0 keeps it clean). The student's streaming forwards are given
+their timesteps as integers (truncated), as FastVideo's causal Wan gives its transformer
+`timestep.long()`; each x0 is converted at the step itself. The DMD gradient and the critic's
+flow-matching loss act on the whole rolled-out clip, as in DMD2 (`DMD2Method`), except that the
+score timesteps are shifted draws clamped to [0, N] only: FastVideo's Self-Forcing never applies
+`min_timestep_ratio` / `max_timestep_ratio`. Every noising and every role's x0 uses the student's
+training table.
 
-Draws, in order per micro-batch (FastVideo's, each noise in its layout: see `_start_noise` and
-`_rollout_randn`): the SFT preparation's (noise, `u`, unused); when the student is updated, a
-rollout (start noise; the exit steps; per chunk the re-noising noises of the steps before its
-exit, then its context noise when `context_noise > 0`) and the DMD draws; then a second rollout
-without gradient and the critic's draws. The exit steps and the DMD/critic draws come from the
+Draws, in order per micro-batch (FastVideo's, each noise in its layout: see `_rollout_randn`):
+the SFT preparation's (noise, `u`, unused); when the student is updated, a rollout (start noise;
+the exit steps; per chunk the re-noising noises of the steps before its exit, then its context
+noise when `context_noise > 0`) and the DMD draws; then a second rollout without gradient and the
+critic's draws. The exit steps and the DMD/critic draws come from the
 rank's generator (`cuda_generator`); the rollout's noises from the rollout generator: one per rank,
 seeded apart from `cuda_generator` and saved with each checkpoint (FastVideo draws them from
 torch's global generator). Under several processes the exit steps are rank 0's, broadcast (each
@@ -28,6 +32,7 @@ sample` every noise comes from its sample's generator and the exit steps from a 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import torch
@@ -38,6 +43,8 @@ from fv_accel.models.base import ModelBase, TrainingBatch
 from fv_accel.schedulers import randn
 from fv_accel.seeding import derived_seed
 
+logger = logging.getLogger(__name__)
+
 
 def rollout_generator_seed(seed: int, dp_rank: int) -> int:
     """The rollout generator's 63-bit seed: apart from `cuda_generator`'s (seed + rank)."""
@@ -47,6 +54,13 @@ def rollout_generator_seed(seed: int, dp_rank: int) -> int:
 def exit_generator_seed(seed: int, iteration: int) -> int:
     """The seed of the exit steps' generator of one step under `noise_rng: sample`."""
     return derived_seed(seed, iteration, "self_forcing_exit")
+
+
+def _strided_randn(shape: Any, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Standard normal [B, C, T, H, W], fp32, filled through its [B, T, C, H, W] view."""
+    x = torch.empty(tuple(shape), device=device, dtype=torch.float32)
+    x.permute(0, 2, 1, 3, 4).normal_(generator=generator)
+    return x
 
 
 def _flag(raw: Any, key: str, default: bool) -> bool:
@@ -82,6 +96,7 @@ class SelfForcingMethod(DMD2Method):
             )
         self._parse_self_forcing_keys(mc)
         super().__init__(cfg=cfg, role_models=role_models)
+        self._drop_score_window()
         self.block_size = int(self.student.causal_block_size)
         self._attn_kind = "dense"
         self.rollout_generator = torch.Generator(device=self.device).manual_seed(rollout_generator_seed(self.seed, self.dp_rank))
@@ -103,11 +118,44 @@ class SelfForcingMethod(DMD2Method):
         self._last_step_only = _flag(mc.last_step_only, "last_step_only", False)
         self._gradient_in_rollout = _flag(mc.enable_gradient_in_rollout, "enable_gradient_in_rollout", True)
 
+    def _drop_score_window(self) -> None:
+        """The score timesteps span [0, N]: DMD2's window (checked by its parse) is not applied, as in
+        FastVideo's Self-Forcing, whose DMD and critic losses never read the window keys."""
+        n = self.table.num_train_timesteps
+        if self._score_bounds != (0, n) and self.process_index == 0:
+            mc = self.cfg.method
+            logger.warning(
+                "method.min_timestep_ratio/max_timestep_ratio %s/%s have no effect on self_forcing: FastVideo's "
+                "Self-Forcing does not apply them (its score timesteps span [0, %d]) and neither does fv_accel; "
+                "they apply to dmd2", mc.min_timestep_ratio, mc.max_timestep_ratio, n,
+            )
+        self._score_bounds = (0, n)
+
     def check_sample_videos(self) -> None:
         """The sample videos stream with this method's own sampler (`sample`), at any steps."""
 
+    def check_data(self, loader: Any) -> None:
+        """DMD2's checks, then whole chunks: the clips' latent frames (for prompts alone, the
+        recipe's rollout) a multiple of the chunk size, refused at build rather than at the first step."""
+        from fv_accel.config import ConfigError
+
+        super().check_data(loader)
+        dataset = getattr(loader, "dataset", loader)
+        if self._rollout_shape is not None:
+            frames = {int(self._rollout_shape[1])}
+        else:
+            frames = {int(shape[1]) for part in (getattr(dataset, "parts", None) or [dataset]) for shape in part.latent_shapes}
+        for num_frames in sorted(frames):
+            try:
+                self.blocks(num_frames)
+            except ValueError as err:
+                raise ConfigError(f"training.data.data_path '{self.cfg.training.data.data_path}': {err}") from None
+
     def student_steps_record(self) -> dict[str, Any]:
-        return {**super().student_steps_record(), "student_sample_type": self._sample_type, "context_noise": self._context_noise}
+        """DMD2's, with the timesteps the streaming forwards are given (integers) and how it steps."""
+        record = super().student_steps_record()
+        record["timesteps"] = [float(int(t)) for t in record["timesteps"]]
+        return {**record, "student_sample_type": self._sample_type, "context_noise": self._context_noise}
 
     def write_final_files(self, output_dir: Any) -> None:
         """DMD2's (`student_steps.json`, and `scheduler/` where a stock scheduler steps the student's
@@ -131,25 +179,21 @@ class SelfForcingMethod(DMD2Method):
     def _rollout_gen(self) -> Any:
         return self.rollout_generator if self.noise_rng == "rank" else self._generator
 
-    def _rollout_randn(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """Rollout noise for latents of our shape [B, C, T, H, W], drawn as [B, T, C, H, W]."""
-        b, c, t, h, w = shape
-        return randn((b, t, c, h, w), self._rollout_gen(), device).permute(0, 2, 1, 3, 4)
-
-    def _start_noise(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """The rollout's start noise [B, C, T, H, W]: filled through a [B, T, C, H, W] view of it, as
-        FastVideo fills `randn_like` of its latents (a [B, T, C, H, W] view of [B, C, T, H, W] memory;
-        a strided fill draws other numbers than a contiguous one)."""
+    def _rollout_randn(self, shape: torch.Size, device: torch.device, *, whole_clip: bool = False) -> torch.Tensor:
+        """Rollout noise [B, C, T, H, W] as FastVideo's `randn_like` draws it. FastVideo's latents and
+        its chunks' x0 are [B, T, C, H, W] views of [B, C, T, H, W] memory, and `randn_like` fills such
+        a view element by element, drawing other numbers than a contiguous fill. Its start noise
+        (`whole_clip`) is drawn so at any batch; a chunk's x0 (the re-noising and context noises) too
+        at batch 1, where its `flatten(0, 1)` is a view, but contiguous in [B, T, C, H, W] above, where
+        the flatten copies. Under `noise_rng: sample` each sample's generator draws as FastVideo draws
+        a batch of one."""
         gens = self._rollout_gen()
-
-        def draw(n: int, generator: torch.Generator) -> torch.Tensor:
-            x = torch.empty((n, *shape[1:]), device=device, dtype=torch.float32)
-            x.permute(0, 2, 1, 3, 4).normal_(generator=generator)
-            return x
-
-        if isinstance(gens, torch.Generator):
-            return draw(shape[0], gens)
-        return torch.cat([draw(1, g) for g in gens])
+        if not isinstance(gens, torch.Generator):
+            return torch.cat([_strided_randn((1, *shape[1:]), g, device) for g in gens])
+        if whole_clip or shape[0] == 1:
+            return _strided_randn(shape, gens, device)
+        b, c, t, h, w = shape
+        return randn((b, t, c, h, w), gens, device).permute(0, 2, 1, 3, 4)
 
     def sample_exit_indices(self, num_blocks: int, num_steps: int, device: torch.device) -> list[int]:
         shape = (1,) if self._same_step else (num_blocks,)
@@ -179,9 +223,11 @@ class SelfForcingMethod(DMD2Method):
     def chunk_velocity(self, x: torch.Tensor, timestep: torch.Tensor, tb: TrainingBatch, cache: Any, start: int,
                        *, write: bool = False) -> torch.Tensor:
         """The student's velocity for the chunk x [B, C, n, H, W] at frame `start` and per-frame
-        timesteps [B, n], attending to the finished chunks in `cache`; `write` adds its keys/values."""
+        timesteps [B, n] (given to the model as integers, as FastVideo's causal Wan gives them),
+        attending to the finished chunks in `cache`; `write` adds its keys/values."""
         with self.student.causal_attention.kv_cache(cache, start, write=write):
-            return self.student.predict_noise(x, timestep, tb, conditional=True, cfg_uncond=self._cfg_uncond, attn_kind="dense")
+            return self.student.predict_noise(x, timestep.long(), tb, conditional=True, cfg_uncond=self._cfg_uncond,
+                                              attn_kind="dense")
 
     def blocks(self, num_frames: int) -> list[tuple[int, int]]:
         if num_frames % self.block_size:
@@ -196,7 +242,7 @@ class SelfForcingMethod(DMD2Method):
         latents = tb.latents
         device = latents.device
         steps = self.denoising_steps(latents.shape).float()
-        noise = self._start_noise(latents.shape, device)
+        noise = self._rollout_randn(latents.shape, device, whole_clip=True)
         blocks = self.blocks(latents.shape[2])
         exits = self.sample_exit_indices(len(blocks), len(steps), device)
         return self._rollout(tb, noise, steps, blocks, exits, lambda shape: self._rollout_randn(shape, device), with_grad=with_grad)
