@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 
-from fv_accel.config import REWARD_METHODS, ConfigError, RunConfig, load_config, micro_batches_per_step
+from fv_accel.config import DISTILLATION_METHODS, REWARD_METHODS, ConfigError, RunConfig, load_config, micro_batches_per_step
 
 logger = logging.getLogger(__name__)
 
@@ -521,6 +521,7 @@ def build_from_config(
     cfg = path_or_dict if isinstance(path_or_dict, RunConfig) else load_config(path_or_dict, overrides)
     # Everything that can be wrong with the recipe, the data or the output folder is checked before
     # anything is written to the output folder.
+    check_no_lora_run_roles(cfg)  # before any role's model is read
     resume, resume_meta = _resume_point(cfg)
     acc = accelerator or build_accelerator(cfg)
     _check_engine(cfg, acc, resume, resume_meta)
@@ -614,10 +615,13 @@ METHODS_NEEDING_LATENTS = ("finetune", "dfsft", "tfsft")
 
 
 def check_method_takes_data(cfg: RunConfig, data_path: str) -> None:
-    """A method that trains on video latents (METHODS_NEEDING_LATENTS) refuses a text-only dataset
-    in one line, before the student is built."""
+    """A method that trains on video latents (METHODS_NEEDING_LATENTS, a distillation rolled out
+    from the data's latents) refuses a text-only dataset in one line, before the student is built."""
+    from fv_accel.data.loader import check_rollout_data
     from fv_accel.data.schema import dataset_is_text_only
 
+    if cfg.method.name in DISTILLATION_METHODS:
+        check_rollout_data(cfg.method.rollout_mode, data_path)  # data_latent needs video latents
     if cfg.method.name in METHODS_NEEDING_LATENTS and dataset_is_text_only(data_path):
         raise ConfigError(
             f"training.data.data_path '{cfg.training.data.data_path}' is a text-only dataset (prompts without video "
@@ -737,7 +741,7 @@ def _build_student_and_method(cfg: RunConfig, acc: Any) -> tuple[Any, Any]:
     set_seed(cfg.training.data.seed)
     student = build_student(cfg)
     student.attach_accelerator(acc)
-    roles = {"student": student, **build_other_roles(cfg, acc)}
+    roles = {"student": student, **build_other_roles(cfg, acc, student)}
     method = METHODS[cfg.method.name](cfg=cfg, role_models=roles)
     if method.optimizer is None:  # a method that does not build its own: the student's, from the recipe
         method.optimizer = build_optimizer(cfg, student.trainable_parameters())
@@ -749,9 +753,65 @@ def _build_student_and_method(cfg: RunConfig, acc: Any) -> tuple[Any, Any]:
 ROLE_TRAINABLE = {"teacher": False, "critic": True, "old": False, "reference": False}
 
 
-def build_other_roles(cfg: RunConfig, acc: Any) -> dict[str, Any]:
+def check_no_lora_run_roles(cfg: RunConfig) -> None:
+    """A role's `init_from` that is a LoRA run's folder (an adapter beside base_model.json, no
+    transformer): a ConfigError giving the export command that merges it into its base."""
+    from fv_accel.models.lora import DIFFUSERS_LORA_FILE
+
+    for role in ("student", *ROLE_TRAINABLE):
+        section = getattr(cfg.models, role)
+        folder = Path(section.init_from) if section is not None and section.init_from else None
+        if folder is None or not (folder / DIFFUSERS_LORA_FILE).is_file():
+            continue
+        if (folder / (section.subfolder or "") / "config.json").is_file():
+            continue
+        from fv_accel.export import default_export_dir, find_source
+
+        source = find_source(folder)
+        base = source.base.get("init_from")
+        adapter = f"an adapter over '{base}'" if base else "an adapter"
+        raise ConfigError(
+            f"models.{role}.init_from '{folder}' is a LoRA run ({adapter}), not a model: merge it into its base first "
+            f"(python -m fv_accel.export {folder} --to merged) and give "
+            f"models.{role}.init_from the folder that writes ({default_export_dir(source, 'merged')})"
+        )
+
+
+# The transformer config keys of a family's text width (the text embeddings it takes).
+TEXT_WIDTH_KEYS = ("text_dim", "caption_channels", "text_embed_dim")
+
+
+def text_width(model: Any) -> Optional[tuple[str, int]]:
+    """(key, value) of the text width in a role's transformer config; None where it names none."""
+    config = model.modules[0].config
+    return next(((key, int(config[key])) for key in TEXT_WIDTH_KEYS if config.get(key) is not None), None)
+
+
+def check_role_fits_student(name: str, role: Any, student: Any, where: str) -> None:
+    """A role works on the student's noisy latents and text embeddings: one of another family, other
+    latent channels or another text width is refused in one line naming models.<role> and both values."""
+    fix = f"give models.{name} a model of the student's family, latent space and text encoder"
+    if role.family != student.family:
+        raise ConfigError(
+            f"models.{name}: '{where}' is of the {role.family} family, the student of the {student.family} family: "
+            f"the {name} works on the student's latents and text embeddings; {fix}"
+        )
+    if role.in_channels != student.in_channels:
+        raise ConfigError(
+            f"models.{name}: '{where}' takes {role.in_channels} latent channels, the student {student.in_channels}; {fix}"
+        )
+    mine, theirs = text_width(role), text_width(student)
+    if mine is not None and theirs is not None and mine[1] != theirs[1]:
+        raise ConfigError(
+            f"models.{name}: '{where}' takes text embeddings {mine[1]} wide ({mine[0]}), the student's are "
+            f"{theirs[1]} wide; {fix}"
+        )
+
+
+def build_other_roles(cfg: RunConfig, acc: Any, student: Any = None) -> dict[str, Any]:
     """The roles beside the student that the recipe declares (models.teacher, models.critic), each a
-    model of its family; a frozen role is put in eval mode, without gradients, on the device."""
+    model of its family, checked against the `student` (`check_role_fits_student`) as it is built; a
+    frozen role is put in eval mode, without gradients, on the device."""
     from accelerate.utils import set_seed
 
     from fv_accel.config import role_config
@@ -770,7 +830,13 @@ def build_other_roles(cfg: RunConfig, acc: Any) -> dict[str, Any]:
         role_cfg = role_config(cfg, name)
         # Seeded as the student was: roles built from one inline config start from the same weights.
         set_seed(cfg.training.data.seed)
-        model = family_of(role_cfg)(role_cfg, trainable=trainable)
+        family = family_of(role_cfg)
+        where = section.init_from or f"models.{name}.transformer_config"
+        if student is not None and family.family != student.family:
+            check_role_fits_student(name, family, student, where)  # before its weights are loaded
+        model = family(role_cfg, trainable=trainable)
+        if student is not None:
+            check_role_fits_student(name, model, student, where)
         model.role = name
         model.attach_accelerator(acc)
         if not trainable:
@@ -848,19 +914,45 @@ def _prepare_for_engine(cfg: RunConfig, acc: Any, student: Any, method: Any) -> 
 
 
 def shard_frozen_roles(acc: Any, cfg: RunConfig, method: Any) -> None:
-    """Under FSDP2 the frozen roles (a distillation teacher) are sharded like the trained ones, by
-    Accelerate's prepare, so no process holds a whole copy; elsewhere they stay whole on the device
-    (DDP wraps only what has gradients to synchronise)."""
+    """Each frozen role (a distillation teacher, reward training's reference) is recorded by its
+    source and the sha256 of its weights as built (`frozen_record`, main process, before any
+    sharding): checkpoints hold that record instead of its weights, and a resume rebuilds the role
+    from its source and refuses one whose weights changed (fv_accel/checkpoint.py). Under FSDP2 it
+    is sharded like the trained roles by Accelerate's prepare, so no process holds a whole copy,
+    then taken off Accelerate's model list (what `save_state` writes and `load_state` reads, by
+    position: the trained roles come first and keep theirs), and resharded after each forward;
+    elsewhere it stays whole on the device (DDP wraps only what has gradients to synchronise)."""
     from accelerate.utils import DistributedType
 
-    if acc.distributed_type != DistributedType.FSDP:
-        return
     trained = set(map(id, method.trainable_roles().values()))
-    for role in method.role_models.values():
-        if id(role) not in trained:
-            configure_engine(acc, cfg, role)
-            role.transformer = acc.prepare(role.transformer)
-            role.transformer.eval()
+    for name, role in method.role_models.items():
+        if id(role) in trained:
+            continue
+        role.frozen_record = {
+            "source": describe_role_source(cfg, name),
+            "sha256": role.weights_sha256() if acc.is_main_process else None,
+        }
+        if acc.distributed_type != DistributedType.FSDP:
+            continue
+        configure_engine(acc, cfg, role)
+        role.transformer = acc.prepare(role.transformer)
+        acc._models = [model for model in acc._models if model is not role.transformer]
+        role.transformer.eval()
+        role.reshard_after_each_forward()
+
+
+def describe_role_source(cfg: RunConfig, name: str) -> str:
+    """Where a role's weights come from, as its recipe section says: `init_from` (a Hub id or a
+    folder) with its revision, subfolder, variant and dtype, or an inline `transformer_config`."""
+    section = getattr(cfg.models, name, None)
+    if section is None:
+        return f"models.{name}"
+    if section.init_from is None:
+        return f"models.{name}.transformer_config (inline, seed {cfg.training.data.seed}, {section.torch_dtype})"
+    parts = [f"revision {section.revision}"] if section.revision else []
+    parts += [f"subfolder {section.subfolder}"] if section.subfolder else []
+    parts += [f"variant {section.variant}"] if section.variant else []
+    return f"models.{name}.init_from {section.init_from} ({', '.join([*parts, section.torch_dtype])})"
 
 
 def check_roles_engine(acc: Any, cfg: RunConfig, roles: dict) -> None:

@@ -23,6 +23,10 @@ else, and any damage is one line naming the file and the newest complete checkpo
 A checkpoint also records the engine that wrote it (its files are laid out per engine) and a
 fingerprint of the training data (fv_accel/data/fingerprint.py); a resume under another engine, or
 on data that changed, is refused in one line (the data: unless allow_recipe_change).
+
+A frozen role (a distillation teacher) is not in a checkpoint: its source and the sha256 of its
+weights are (`frozen_roles`); a resume rebuilds it from the recipe and refuses it in one line when
+its weights changed (unless allow_recipe_change).
 """
 
 from __future__ import annotations
@@ -519,20 +523,31 @@ def _inner_scheduler(lr_scheduler: Any) -> Any:
     return getattr(lr_scheduler, "scheduler", lr_scheduler)
 
 
-def apply_optimizer_recipe(optimizer: Any, lr_scheduler: Any, cfg: Any, settings: list[dict]) -> None:
-    """Make the restored optimizer and LR schedule follow this recipe: the saved state brings back
+def recipe_optimizers(method: Any) -> dict[str, tuple[list[dict], list[float]]]:
+    """Each trained role's optimizer as this recipe built it, read before a checkpoint's state
+    replaces it: its param groups' settings (`fv_accel.optim.settings_of`) and its LR schedule's
+    base learning rates (the student's `training.optimizer`; a DMD2 critic's `method.fake_score_*`)."""
+    from fv_accel.optim import settings_of
+
+    schedulers = method.lr_scheduler_dict
+    return {
+        role: (settings_of(optimizer), list(_inner_scheduler(schedulers[role]).base_lrs))
+        for role, optimizer in method.optimizer_dict.items()
+    }
+
+
+def apply_optimizer_recipe(optimizer: Any, lr_scheduler: Any, settings: list[dict], base_lrs: list[float]) -> None:
+    """Make a restored optimizer and LR schedule follow this recipe: the saved state brings back
     the moments and the step count, and with them the old learning rate (the scheduler's
-    `base_lrs`, the param groups' `initial_lr` and `lr`) and optimizer settings. `settings` are the
-    param groups' settings of the optimizer this recipe built (`fv_accel.optim.settings_of`, read
-    before the load): they go back in, while running state kept in the groups (Prodigy's step-size
-    estimate) stays as restored. The schedule's shape (warm-up, length, cycles) already comes from
-    this recipe: diffusers builds it as a function, which no state dict holds. With an unchanged
-    recipe this rewrites the same values."""
-    opt = cfg.training.optimizer
+    `base_lrs`, the param groups' `initial_lr` and `lr`) and optimizer settings. `settings` and
+    `base_lrs` are those of the optimizer this recipe built (`recipe_optimizers`): they go back in,
+    while running state kept in the groups (Prodigy's step-size estimate) stays as restored. The
+    schedule's shape (warm-up, length, cycles) already comes from this recipe: diffusers builds it
+    as a function, which no state dict holds. With an unchanged recipe this rewrites the same values."""
     groups = optimizer.param_groups
-    for group, own in zip(groups, settings):
+    for group, own, base in zip(groups, settings, base_lrs):
         group.update(own)
-        group["initial_lr"] = opt.learning_rate
+        group["initial_lr"] = base
     sched = _inner_scheduler(lr_scheduler)
     lambdas = getattr(sched, "lr_lambdas", None)
     if lambdas is None:
@@ -540,7 +555,7 @@ def apply_optimizer_recipe(optimizer: Any, lr_scheduler: Any, cfg: Any, settings
             f"cannot apply training.optimizer to the resumed LR scheduler {type(sched).__name__} "
             "(expected diffusers' LambdaLR)"
         )
-    sched.base_lrs = [opt.learning_rate] * len(groups)
+    sched.base_lrs = list(base_lrs)
     lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, lambdas)]
     for group, lr in zip(groups, lrs):
         group["lr"] = lr
@@ -654,8 +669,15 @@ def build_metadata(trainer: Any, step: int) -> dict:
         "math": trainer.method.math_signature(),
         "config": trainer.config.to_dict(),
         "optimizer": optimizer_record(trainer.method.optimizer, trainer.method.lr_scheduler),
+        "frozen_roles": frozen_records(trainer.method),
         "versions": package_versions(),
     }
+
+
+def frozen_records(method: Any) -> dict[str, dict]:
+    """Role name -> {"source", "sha256"} of each frozen role (the teacher): what a checkpoint keeps
+    of it instead of its weights (recorded at build by fv_accel.build.shard_frozen_roles)."""
+    return {name: dict(role.frozen_record) for name, role in method.role_models.items() if getattr(role, "frozen_record", None)}
 
 
 def _data_fingerprint(trainer: Any) -> Optional[list]:
@@ -865,6 +887,37 @@ def save_checkpoint(trainer: Any, step: int) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+def frozen_roles_problem(meta: dict, method: Any, cfg: Any, ckpt: Path) -> Optional[str]:
+    """A checkpoint holds no frozen role's weights: the resume rebuilt each from its source, and
+    its weights must be the ones the run trained against (the sha256 the checkpoint records).
+    A changed one is the problem returned (None with allow_recipe_change: then a warning); a
+    checkpoint saved before the record resumes with a warning that the roles are not verified."""
+    now = frozen_records(method)
+    saved = meta.get("frozen_roles")
+    if saved is None:
+        if now:
+            logger.warning(
+                "%s records no checksum of %s (saved by an older fv_accel): rebuilt from the recipe's source, not "
+                "verified; any copy of its weights in the checkpoint is not read", ckpt, ", ".join(f"models.{n}" for n in now)
+            )
+        return None
+    for name, record in now.items():
+        then = saved.get(name)
+        if then is None or then.get("sha256") == record["sha256"]:
+            continue
+        change = (
+            f"models.{name} changed since it was saved: {record['source']} has sha256 {record['sha256'][:16]}... now, "
+            f"the run trained against {then.get('source')} with sha256 {str(then.get('sha256'))[:16]}..."
+        )
+        if not cfg.training.checkpoint.allow_recipe_change:
+            return (
+                f"cannot resume from {ckpt}: {change}; give models.{name} those weights again, or set "
+                "training.checkpoint.allow_recipe_change: true to train on against these"
+            )
+        logger.warning("resuming from %s: %s; training goes on against the new weights", ckpt, change)
+    return None
+
+
 def load_checkpoint(trainer: Any, ckpt: Path) -> int:
     """Restore model, optimizer, LR schedule, RNG states, callbacks' state and data position, and
     put this recipe's optimizer settings into effect. Returns the step to continue from; the
@@ -872,13 +925,15 @@ def load_checkpoint(trainer: Any, ckpt: Path) -> int:
     acc = trainer.accelerator
     ckpt = Path(ckpt)
     meta = read_metadata(ckpt)
+    problem = frozen_roles_problem(meta, trainer.method, trainer.config, ckpt) if acc.is_main_process else None
+    problem = agree_on_error(acc, problem)
+    if problem is not None:
+        raise CheckpointError(problem)
     stray = sorted(p.name for p in ckpt.glob("*.pkl"))
     if stray:
         # Not written by us; Accelerate still loads them only with weights_only=True.
         logger.warning("%s holds pickle file(s) %s; they are loaded with weights_only=True only", ckpt, stray)
-    from fv_accel.optim import settings_of
-
-    settings = settings_of(trainer.method.optimizer)
+    recipe = recipe_optimizers(trainer.method)
     saved_name = saved_recipe(meta).get("training.optimizer.name", REFUSED_RECIPE_KEYS["training.optimizer.name"])
     new_optimizer = saved_name != trainer.config.training.optimizer.name
     optimizers = acc._optimizers
@@ -905,7 +960,8 @@ def load_checkpoint(trainer: Any, ckpt: Path) -> int:
             raise damaged_checkpoint_error(
                 ckpt, f"{ckpt / METADATA_NAME} says step {step}, but {which} state has taken {taken} steps{expecting}"
             )
-    apply_optimizer_recipe(trainer.method.optimizer, trainer.method.lr_scheduler, trainer.config, settings)
+    for role, (settings, base_lrs) in recipe.items():
+        apply_optimizer_recipe(trainer.method.optimizer_dict[role], schedulers[role], settings, base_lrs)
     acc.step = int(meta.get("accelerator_step", 0))
     state_file = rank_state_file(ckpt, acc.process_index)
     if state_file.is_file():

@@ -6,7 +6,8 @@ tests/test_distributed.py checks. Launched by the tests as
 
 and also imported by them for the single-process runs. SPEC is a JSON list of runs, each
 `{"name", "recipe", "overrides", "engine"}` (and `"expect_error": true` for a run whose build must be
-refused: its error is recorded per rank instead); run `name` writes `<out_root>/<name>/rank<r>.json`
+refused: its error is recorded per rank instead; `"older_checkpoint": [src, dst]` to resume from a copy
+laid out as older checkpoints were, `older_checkpoint`); run `name` writes `<out_root>/<name>/rank<r>.json`
 (world size, engine, per-step local loss and sample indices, logged losses) and, for unsharded
 engines, `rank<r>.safetensors` (that rank's final weights).
 
@@ -83,6 +84,26 @@ def _build_error(spec: dict, cfg, acc, out_root: Path) -> dict:
     return record
 
 
+def older_checkpoint(src: str, dst: str, acc) -> None:
+    """`dst`: a copy of the FSDP2 distillation checkpoint `src` as fv_accel wrote them before frozen
+    roles were left out: the teacher's shards as one more model folder after the trained roles'
+    (`pytorch_model_fsdp_2`; the critic's, of the teacher's architecture, stand in) and no
+    `frozen_roles` record, its metadata sealed again."""
+    import shutil
+
+    from fv_accel.checkpoint import METADATA_CHECKSUM_KEY, METADATA_NAME, file_records, read_metadata, write_metadata
+
+    if acc.is_main_process:
+        shutil.copytree(src, dst)
+        shutil.copytree(Path(dst) / "pytorch_model_fsdp_1", Path(dst) / "pytorch_model_fsdp_2")
+        meta = read_metadata(dst)
+        for key in ("frozen_roles", METADATA_CHECKSUM_KEY):
+            del meta[key]
+        meta["files"] = file_records(Path(dst))
+        write_metadata(Path(dst) / METADATA_NAME, meta)
+    acc.wait_for_everyone()
+
+
 def run_one(spec: dict, out_root: Path) -> dict:
     from fv_accel.build import build_accelerator, build_from_config
     from fv_accel.config import load_config
@@ -94,6 +115,8 @@ def run_one(spec: dict, out_root: Path) -> dict:
         # build_accelerator switches an FSDP launch on CPU to FSDP2 (fv_accel.build.fsdp2_on_cpu).
         assert str(acc.distributed_type) == "DistributedType.FSDP", acc.distributed_type
     keep_process_group(acc)
+    if spec.get("older_checkpoint"):
+        older_checkpoint(*spec["older_checkpoint"], acc)
     if spec.get("expect_error"):
         return _build_error(spec, cfg, acc, out_root)
     run = build_from_config(cfg, accelerator=acc)
@@ -128,9 +151,13 @@ def run_one(spec: dict, out_root: Path) -> dict:
     if not sharded and rank == 0:
         save_weights(acc.unwrap_model(model), out / "init.safetensors")
     teacher = getattr(method, "teacher", None)
-    # Read before training: FSDP2 leaves a root module's parameters unsharded after a forward
-    # that no backward follows (a frozen teacher's).
     teacher_param_type = type(next(teacher.transformer.parameters())).__name__ if teacher is not None else None
+    # The teacher's parameter types after each of its forwards (this hook runs after the engine's own).
+    after_teacher_forward: set[str] = set()
+    if teacher is not None:
+        teacher.transformer.register_forward_hook(
+            lambda mod, args, out: after_teacher_forward.update(type(p).__name__ for p in mod.parameters())
+        )
     trainer = Trainer(run)
     trainer.run()
 
@@ -149,6 +176,7 @@ def run_one(spec: dict, out_root: Path) -> dict:
         "block_compute_dtypes": sorted(seen["block"]),
         "start_step": run.start_step,
         "teacher_param_type": teacher_param_type,
+        "teacher_param_types_after_forward": sorted(after_teacher_forward),
         # diffusers' context-parallel config on the transformer (None: the sequence is not split).
         "context_parallel": _context_parallel_of(unwrapped),
         "steps": [

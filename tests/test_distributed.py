@@ -186,8 +186,8 @@ def self_forcing_run(out_dir: Path, **extra) -> dict:
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory, tiny_data_path, ddp_runs):
     """Two processes x batch 1 under FSDP2 (the fsdp2.yaml launch config, activation checkpointing
-    switched on), checkpointing at step 2; then a fresh run resuming that sharded checkpoint, and one
-    asked to resume the DDP run's checkpoint (refused)."""
+    switched on), SFT and DMD2 checkpointing at step 2; then fresh runs resuming those sharded
+    checkpoints, and one asked to resume the DDP run's checkpoint (refused)."""
     root = tmp_path_factory.mktemp("fsdp2")
     ddp_root, _ = ddp_runs
     common = {"training.data.train_batch_size": 1}
@@ -224,8 +224,47 @@ def fsdp_runs(tmp_path_factory, tiny_data_path, ddp_runs):
             "engine": "fsdp2",
             "overrides": overrides(root / "dfsft_causal_ulysses2_fsdp2", **CAUSAL, **ULYSSES2),
         },
-        {"name": "dmd2_fsdp2", "recipe": DMD2_RECIPE, "engine": "fsdp2", "overrides": dmd2_run(root / "dmd2_fsdp2")},
+        {
+            "name": "dmd2_fsdp2",
+            "recipe": DMD2_RECIPE,
+            "engine": "fsdp2",
+            "overrides": dmd2_run(root / "dmd2_fsdp2", **{"training.checkpoint.training_state_checkpointing_steps": 2}),
+        },
         {"name": "sf_fsdp2", "recipe": SF_RECIPE, "engine": "fsdp2", "overrides": self_forcing_run(root / "sf_fsdp2")},
+        # DMD2 resumed from its step-2 checkpoint, and from a copy laid out as older checkpoints were
+        # (with the teacher's shards, without the teacher's record).
+        {
+            "name": "dmd2_fsdp2_resumed",
+            "recipe": DMD2_RECIPE,
+            "engine": "fsdp2",
+            "overrides": dmd2_run(
+                root / "dmd2_fsdp2_resumed",
+                **{"training.checkpoint.resume_from_checkpoint": str(root / "dmd2_fsdp2" / "checkpoint-2")},
+            ),
+        },
+        {
+            # The teacher in bf16 (student and critic as they were): other weights, refused on every rank.
+            "name": "dmd2_fsdp2_changed_teacher",
+            "recipe": DMD2_RECIPE,
+            "engine": "fsdp2",
+            "expect_error": True,
+            "overrides": dmd2_run(
+                root / "dmd2_fsdp2_changed_teacher",
+                **{"models.teacher.torch_dtype": "bfloat16", "models.student.torch_dtype": "float32",
+                   "models.critic.torch_dtype": "float32",
+                   "training.checkpoint.resume_from_checkpoint": str(root / "dmd2_fsdp2" / "checkpoint-2")},
+            ),
+        },
+        {
+            "name": "dmd2_fsdp2_older_resumed",
+            "recipe": DMD2_RECIPE,
+            "engine": "fsdp2",
+            "older_checkpoint": [str(root / "dmd2_fsdp2" / "checkpoint-2"), str(root / "dmd2_older" / "checkpoint-2")],
+            "overrides": dmd2_run(
+                root / "dmd2_fsdp2_older_resumed",
+                **{"training.checkpoint.resume_from_checkpoint": str(root / "dmd2_older" / "checkpoint-2")},
+            ),
+        },
         {
             "name": "finetune_fsdp2_resumed",
             "recipe": RECIPES["finetune"],
@@ -710,6 +749,47 @@ def test_fsdp_activation_offload_with_lora_is_refused():
         configure_fsdp2(plugin, "no", lora)
 
 
+def test_frozen_role_record_on_resume(tmp_path, caplog):
+    """The checkpoint's record of a frozen role against the rebuilt role: the same weights pass; other
+    weights are refused in one line, or with allow_recipe_change warned; a checkpoint without the
+    record (an older one) resumes with a warning that the role is not verified."""
+    from types import SimpleNamespace
+
+    from fv_accel.build import describe_role_source
+    from fv_accel.checkpoint import frozen_records, frozen_roles_problem
+    from fv_accel.config import load_config
+
+    cfg = load_config(REPO / DMD2_RECIPE, {"models.teacher.revision": "abc"})
+    assert describe_role_source(cfg, "teacher") == (
+        "models.teacher.init_from outputs/tiny_dmd2_teacher (revision abc, subfolder transformer, float32)"
+    )
+    source = "models.teacher.init_from teachers/wan (subfolder transformer, bfloat16)"
+    teacher = SimpleNamespace(frozen_record={"source": source, "sha256": "ab" * 32})
+    method = SimpleNamespace(role_models={"student": SimpleNamespace(), "teacher": teacher})
+    assert frozen_records(method) == {"teacher": {"source": source, "sha256": "ab" * 32}}
+    refuse, allow = (SimpleNamespace(training=SimpleNamespace(checkpoint=SimpleNamespace(allow_recipe_change=a)))
+                     for a in (False, True))
+    ckpt = tmp_path / "checkpoint-4"
+    assert frozen_roles_problem({"frozen_roles": frozen_records(method)}, method, refuse, ckpt) is None
+    saved = {"frozen_roles": {"teacher": {"source": "models.teacher.init_from old/wan (bfloat16)", "sha256": "cd" * 32}}}
+    assert frozen_roles_problem(saved, method, refuse, ckpt) == (
+        f"cannot resume from {ckpt}: models.teacher changed since it was saved: {source} has sha256 abababababababab... "
+        "now, the run trained against models.teacher.init_from old/wan (bfloat16) with sha256 cdcdcdcdcdcdcdcd...; "
+        "give models.teacher those weights again, or set training.checkpoint.allow_recipe_change: true to train on "
+        "against these"
+    )
+    with caplog.at_level("WARNING", logger="fv_accel.checkpoint"):
+        assert frozen_roles_problem(saved, method, allow, ckpt) is None
+        assert frozen_roles_problem({}, method, refuse, ckpt) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"resuming from {ckpt}: models.teacher changed since it was saved: {source} has sha256 abababababababab... now, "
+        "the run trained against models.teacher.init_from old/wan (bfloat16) with sha256 cdcdcdcdcdcdcdcd...; training "
+        "goes on against the new weights",
+        f"{ckpt} records no checksum of models.teacher (saved by an older fv_accel): rebuilt from the recipe's source, "
+        "not verified; any copy of its weights in the checkpoint is not read",
+    ]
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["dmd2", "sf"])
 def test_distillation_two_processes_equal_one_process(ddp_runs, tmp_path, name):
@@ -751,9 +831,54 @@ def test_distillation_under_fsdp2_shards_all_roles_and_saves_student_and_critic(
     ddp_root, _ = ddp_runs
     for rec in records[f"{name}_fsdp2"]:
         assert rec["is_fsdp2"] and rec["param_type"] == "DTensor" and rec["teacher_param_type"] == "DTensor"
+        # After each teacher forward every teacher parameter is its shard again (FSDP2 alone
+        # leaves the root's gathered: no backward follows).
+        assert rec["teacher_param_types_after_forward"] == ["DTensor"]
     out = root / f"{name}_fsdp2"
     student = load_file(str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
     critic = load_file(str(out / "critic" / "transformer" / "diffusion_pytorch_model.safetensors"))
     ddp = ddp_root / "records" / f"{name}_2proc"
     assert max_diff(student, load_file(str(ddp / "rank0.safetensors"))) < WEIGHT_TOL
     assert max_diff(critic, load_file(str(ddp / "critic_rank0.safetensors"))) < WEIGHT_TOL
+
+
+@pytest.mark.multiproc
+def test_fsdp2_distillation_checkpoint_holds_no_teacher_and_resumes(fsdp_runs):
+    """Under FSDP2 a DMD2 checkpoint holds the student's and the critic's shards and optimizer
+    state, and of the frozen teacher only its source and checksum; resumed from it (the teacher
+    rebuilt from its source), and from a copy laid out as older checkpoints were (the teacher's
+    shards in it, unread), the run ends where the straight run ends."""
+    root, records = fsdp_runs
+    ckpt = root / "dmd2_fsdp2" / "checkpoint-2"
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == [
+        "optimizer_0", "optimizer_1", "pytorch_model_fsdp_0", "pytorch_model_fsdp_1"
+    ]
+    for part in ("pytorch_model_fsdp_0", "pytorch_model_fsdp_1"):
+        assert sorted(p.name for p in (ckpt / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    teacher = meta["frozen_roles"]["teacher"]
+    assert list(meta["frozen_roles"]) == ["teacher"]
+    assert teacher["source"] == "models.teacher.transformer_config (inline, seed 0, float32)"
+    assert len(teacher["sha256"]) == 64 and int(teacher["sha256"], 16) > 0
+    straight = records["dmd2_fsdp2"]
+    out = root / "dmd2_fsdp2"
+    for name in ("dmd2_fsdp2_resumed", "dmd2_fsdp2_older_resumed"):
+        resumed = records[name]
+        assert [rec["start_step"] for rec in resumed] == [2, 2]
+        for r in (0, 1):
+            assert [s["step"] for s in resumed[r]["steps"]] == [STEPS]
+            assert resumed[r]["steps"][0]["local_loss"] == straight[r]["steps"][STEPS - 1]["local_loss"]
+        for part in ("transformer", "critic/transformer"):
+            final = load_file(str(out / part / "diffusion_pytorch_model.safetensors"))
+            again = load_file(str(root / name / part / "diffusion_pytorch_model.safetensors"))
+            assert max_diff(again, final) == 0.0, (name, part)
+    # The older copy's teacher folder was there, and the resume did not need it.
+    assert (root / "dmd2_older" / "checkpoint-2" / "pytorch_model_fsdp_2").is_dir()
+    # A teacher whose weights changed is refused on every rank, in one line naming it, its source and both checksums.
+    errors = [rec["error"] for rec in records["dmd2_fsdp2_changed_teacher"]]
+    assert errors[0] == errors[1] and "\n" not in errors[0]
+    assert errors[0].startswith(f"CheckpointError: cannot resume from {ckpt}: models.teacher changed since it was saved: ")
+    assert "models.teacher.transformer_config (inline, seed 0, bfloat16) has sha256 " in errors[0]
+    assert f"trained against {teacher['source']} with sha256 {teacher['sha256'][:16]}..." in errors[0]
+    now = errors[0].split(" has sha256 ")[1][:16]
+    assert len(now) == 16 and now != teacher["sha256"][:16]

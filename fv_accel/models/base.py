@@ -11,10 +11,46 @@ methods (fv_accel/methods/), the flow-matching table to the scheduler adapter (f
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
+
+
+def state_dict_sha256(module: torch.nn.Module) -> str:
+    """sha256 over the module's state dict in key order: each tensor's name, dtype, shape and the
+    sha256 of its bytes (hashed in threads: hashlib releases the GIL). Whole tensors only, so it is
+    taken before an engine shards them, and then does not depend on the process count."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    state = module.state_dict()
+    names = sorted(state)
+
+    def tensor_sha256(name: str) -> str:
+        flat = state[name].detach().to("cpu").contiguous().reshape(-1)
+        return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(tensor_sha256, names))
+    whole = hashlib.sha256()
+    for name, digest in zip(names, digests):
+        tensor = state[name]
+        whole.update(f"{name}\t{str(tensor.dtype).replace('torch.', '')}\t{list(tensor.shape)}\t{digest}\n".encode())
+    return whole.hexdigest()
+
+
+def reshard_after_forward(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    """A forward hook for a frozen role's FSDP2 root: every FSDP2 unit of it back to its shards.
+    FSDP2 keeps a root's parameters gathered from its forward to its backward (and every unit's
+    with reshard_after_forward false), and a frozen role's forward has no backward of its own;
+    a backward that does pass through it gathers them again (FSDP2's pre-backward hook)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in module.modules():
+        if isinstance(part, FSDPModule):
+            part.reshard()
 
 
 @dataclass(frozen=True)
@@ -260,6 +296,14 @@ class ModelBase:
 
     def after_prepare(self) -> None:
         """Called once the engine (`accelerator.prepare`) has wrapped `transformer`."""
+
+    def weights_sha256(self) -> str:
+        """The sha256 of the transformer's weights (`state_dict_sha256`); read before the engine shards them."""
+        return state_dict_sha256(self.transformer)
+
+    def reshard_after_each_forward(self) -> None:
+        """A frozen role under FSDP2: its parameters go back to their shards after each forward."""
+        self.transformer.register_forward_hook(reshard_after_forward)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]
