@@ -225,6 +225,18 @@ class MethodConfig:
     ema: "NFTEmaConfig" = field(default_factory=lambda: NFTEmaConfig())
     validation: "NFTValidationConfig" = field(default_factory=lambda: NFTValidationConfig())
 
+    def check(self) -> None:
+        check_descending("dmd_denoising_steps", self.dmd_denoising_steps, "e.g. [1000, 750, 500, 250]")
+
+
+def check_descending(key: str, values: Any, example: str) -> None:
+    """A step list (timesteps or sigmas) runs from the noisiest entry down: a list of numbers that
+    is not strictly descending is refused (other values are left to the method's own parsing)."""
+    if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return
+    if any(later >= earlier for earlier, later in zip(values, values[1:])):
+        raise Invalid(key, values, f"strictly descending values, the noisiest first ({example})")
+
 
 @dataclass
 class NFTSamplingConfig:
@@ -245,6 +257,8 @@ class NFTSamplingConfig:
             value = getattr(self, key)
             if value is not None and not value:
                 raise Invalid(key, value, "a non-empty list of numbers, or null")
+        check_descending("timesteps", self.timesteps, "e.g. [1000, 750, 500, 250]")
+        check_descending("sigmas", self.sigmas, "e.g. [1.0, 0.75, 0.5, 0.25]")
         if self.timesteps is not None and self.sigmas is not None and len(self.timesteps) != len(self.sigmas):
             raise Invalid("sigmas", self.sigmas, f"as many values as timesteps ({len(self.timesteps)})")
         if self.flow_shift is not None and not (self.flow_shift > 0 and math.isfinite(self.flow_shift)):

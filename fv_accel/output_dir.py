@@ -8,8 +8,9 @@
   a live process, or of another host that cannot be checked, is refused with its holder named.
 - A fresh run (not resuming this folder's own checkpoint) refuses a folder that holds another
   run's outputs (checkpoints, final weights, logs, samples, plots) unless
-  `training.checkpoint.overwrite_output_dir: true`, which deletes those outputs first. Other files
-  in the folder (and `exports/`) are never touched. `--resume_from_checkpoint latest` also takes
+  `training.checkpoint.overwrite_output_dir: true`, which deletes those outputs first; the logs of
+  an attempt that took no step (it logged no metric) are no run's outputs. Other files in the
+  folder (and `exports/`) are never touched. `--resume_from_checkpoint latest` also takes
   over the logs of an attempt that stopped before its first checkpoint (and left no final weights).
 """
 
@@ -76,6 +77,14 @@ def _finished_outputs(out: Path) -> list[Path]:
     return [p for p in names if p.exists()]
 
 
+def never_stepped(out: Path, found: list[Path]) -> bool:
+    """Whether the run outputs `found` in `out` are only the tracker logs of an attempt that ended
+    before its first step (it logged no metric: a bad input found at the first step), which a
+    corrected rerun may write into."""
+    metrics = out / "logs" / "metrics.jsonl"
+    return found == [out / "logs"] and not (metrics.is_file() and metrics.stat().st_size > 0)
+
+
 def check_output_dir(
     output_dir: str | Path, resume: Optional[Path], *, overwrite: bool, latest: bool = False, warn: bool = True
 ) -> None:
@@ -91,6 +100,10 @@ def check_output_dir(
         return
     found = run_outputs(out)
     if not found or overwrite:
+        return
+    if never_stepped(out, found):
+        if warn:
+            logger.info("%s holds only the logs of an attempt that took no step: this run writes into it", out)
         return
     if latest and resume is None and not _finished_outputs(out):
         if warn:

@@ -415,14 +415,13 @@ def dmd_denoising_timesteps(steps: Any, table: FlowMatchTable, warp: bool = Fals
         raise ValueError(f"denoising steps {values.tolist()}: must be strictly descending")
     if not warp:
         return values
-    return table.timesteps[(n - values.round().long()).clamp(0, n - 1)].clone()
+    return table.warp_steps(values.round().long())
 
 
 def table_sigma(timesteps: torch.Tensor, table: FlowMatchTable) -> torch.Tensor:
     """The sigma of each timestep: the training table's entry with the nearest timestep."""
     t = torch.as_tensor(timesteps, dtype=torch.float32)
-    idx = (table.timesteps[None, :] - t.reshape(-1, 1)).abs().argmin(dim=1)
-    return table.sigmas[idx].reshape(t.shape)
+    return table.nearest_sigmas(t, t.numel()).reshape(t.shape)
 
 
 @torch.no_grad()

@@ -1,7 +1,8 @@
 """The LTX-2 family on its tiny model: the stock LTX2Pipeline loads it and makes video and sound;
 a video-only LoRA run (train_audio false) changes no audio or cross-modal weight and its LoRA file
 holds no audio key; a joint run (train_audio true) changes both branches and logs both losses; each
-LoRA loads back in LTX2Pipeline.load_lora_weights and the pipeline generates."""
+LoRA loads back in LTX2Pipeline.load_lora_weights and the pipeline generates; DMD2 on LTX-2 roles
+trains the video with the audio branch hearing silence."""
 
 from __future__ import annotations
 
@@ -327,3 +328,43 @@ def test_tiny_data_path_follows_an_ltx2_student(tmp_path, tiny_model_of, caplog)
     Trainer(run).run()
     keys = list(load_file(str(tmp_path / "out" / "pytorch_lora_weights.safetensors")))
     assert keys and not [k for k in keys if is_audio_or_cross_modal(k)]
+
+
+def test_dmd2_trains_the_ltx2_video_while_every_role_hears_silence(tmp_path, ltx2):
+    """DMD2 with LTX-2 roles trains the video only, as FastVideo's does: each role's audio branch is
+    fed silence as pure noise (sigma 1, drawn after the preparation's video draws); one step with the
+    student's update changes the student's and the critic's video weights and no audio or
+    cross-modal weight of either."""
+    from dmd2_helpers import DMD2_RECIPE, dmd2_overrides
+    from fv_accel.build import build_from_config
+    from fv_accel.trainer import Trainer
+
+    model, data = ltx2
+    over = dmd2_overrides(tmp_path, **{
+        "models.teacher.init_from": str(model), "models.teacher.transformer_config": None,
+        "training.data.data_path": str(data), "training.data.train_batch_size": 1, "training.data.text_max_length": 64,
+        "method.rollout_mode": "data_latent", "method.generator_update_interval": 1, "training.loop.max_train_steps": 1,
+        "training.optimizer.learning_rate": 1e-2, "method.fake_score_learning_rate": 1e-2, "training.checkpoint.save_final": False,
+    })
+    run = build_from_config(DMD2_RECIPE, over)
+    before = {role: {k: v.clone() for k, v in getattr(run.method, role).transformer.state_dict().items()} for role in ("student", "critic")}
+    prepared = []
+    original = run.method._prepare_dmd_batch
+
+    def prepare(batch):
+        prepared.append(original(batch))
+        return prepared[-1]
+
+    run.method._prepare_dmd_batch = prepare
+    Trainer(run).run()
+    (tb,) = prepared
+    extras = tb.conditioning.extras
+    assert torch.equal(extras["audio_sigmas"], torch.ones(1)) and not bool(tb.extras["audio"].present.any())
+    assert torch.equal(extras["audio_noisy"], tb.extras["audio_noise"])  # pure noise
+    for role in ("student", "critic"):
+        after = getattr(run.method, role).transformer.state_dict()
+        moved = {k: float((after[k] - v).abs().max()) for k, v in before[role].items()}
+        audio = [d for k, d in moved.items() if is_audio_or_cross_modal(k)]
+        video = [d for k, d in moved.items() if not is_audio_or_cross_modal(k)]
+        assert audio and max(audio) == 0.0, role
+        assert max(video) > 0, role

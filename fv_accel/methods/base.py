@@ -233,11 +233,15 @@ class TrainingMethod:
         )
 
     # ---- noising ----
-    def prepare(self, batch: dict, generator: GeneratorLike, *, in_range: bool = True) -> TrainingBatch:
-        """Clean latents and conditioning from the student, then noise [B, C, T, H, W] and one
-        homogeneous table index per sample from `generator` (in that order), noised. With
-        `in_range=False` the index is one plain draw (DFSFT discards it and draws per chunk)."""
-        tb = self.student.prepare_batch(batch, latents_source="data")
+    def prepare(
+        self, batch: dict, generator: GeneratorLike, *, in_range: bool = True, clean: Optional[TrainingBatch] = None
+    ) -> TrainingBatch:
+        """Clean latents and conditioning from the student (the data's; `clean` where the method
+        gives its own, as DMD2's rollout start), then noise [B, C, T, H, W] and one homogeneous table
+        index per sample from `generator` (in that order), noised, then the audio's noise where
+        there is audio. With `in_range=False` the index is one plain draw (DFSFT discards it and
+        draws per chunk)."""
+        tb = self.student.prepare_batch(batch, latents_source="data") if clean is None else clean
         if tb.latents is None or tb.conditioning is None:
             raise RuntimeError("prepare_batch() must set TrainingBatch.latents and .conditioning")
         tb.noise = randn(tb.latents.shape, generator, tb.latents.device)

@@ -409,12 +409,16 @@ class LTX2Student(DiffusersStudent):
             present = batch.get("audio_present")
             present = torch.ones(b, dtype=torch.bool) if present is None else present.bool().reshape(b)
         else:
-            b = batch["vae_latent"].shape[0]
-            num_frames = (num_latent_frames - 1) * self._temporal_factor() + 1
-            length = audio_latent_frames(num_frames, self.frame_rate, self.audio_config or _DEFAULT_AUDIO)
-            packed = torch.zeros(b, length, int(self.transformer_config_value("audio_in_channels")), device=self.device)
-            present = torch.zeros(b, dtype=torch.bool)
+            return self.silent_audio(batch["vae_latent"].shape[0], num_latent_frames)
         return AudioLatents(packed, present.to(self.device))
+
+    def silent_audio(self, batch_size: int, num_latent_frames: int) -> AudioLatents:
+        """Zeros of the pipeline's audio length for `num_latent_frames` video latent frames, marked
+        absent (`noise_audio` feeds them to the audio branch as pure noise, sigma 1)."""
+        num_frames = (num_latent_frames - 1) * self._temporal_factor() + 1
+        length = audio_latent_frames(num_frames, self.frame_rate, self.audio_config or _DEFAULT_AUDIO)
+        packed = torch.zeros(batch_size, length, int(self.transformer_config_value("audio_in_channels")), device=self.device)
+        return AudioLatents(packed, torch.zeros(batch_size, dtype=torch.bool, device=self.device))
 
     def transformer_config_value(self, key: str) -> Any:
         return self.modules[0].config[key]

@@ -3,7 +3,8 @@ student, teacher, critic), with FastVideo 0.2.1's semantics and key names.
 
 Per step (iteration = the 1-based step number), every draw from the method's generator
 (`cuda_generator`), in this order:
-1. the SFT preparation's draws, unused by DMD2: noise [B, C, T, H, W], then `u` [B];
+1. the SFT preparation's draws (`TrainingMethod.prepare`), unused by DMD2: noise [B, C, T, H, W],
+   then `u` [B] (then, for a student that makes sound, the silent audio's noise, which all roles hear);
 2. when the student is updated (iteration % generator_update_interval == 0): a rollout of the
    student with gradient through its last prediction, then the DMD gradient (score timestep, noise;
    critic, teacher conditional and unconditional predictions);
@@ -264,19 +265,21 @@ class DMD2Method(TrainingMethod):
     # ---- the batch ----
     def _prepare_dmd_batch(self, batch: dict[str, Any]) -> TrainingBatch:
         """The student's conditioning and latents (the data's, or zeros of the rollout's shape in
-        `simulate`), then the SFT preparation's draws (noise, u), which DMD2 does not use."""
+        `simulate`) through the SFT preparation (`prepare`: noise, u, which DMD2 does not use). A
+        student that makes sound (LTX-2) trains its video only: its audio branch is fed silence as
+        pure noise (sigma 1), drawn after those, in every role's forward of the step."""
         if self._rollout_mode == "simulate":
             cond = self.student.build_conditioning(batch)
-            tb = TrainingBatch(latents=torch.zeros(self.rollout_shape(batch), device=self.device), conditioning=cond)
+            clean = TrainingBatch(latents=torch.zeros(self.rollout_shape(batch), device=self.device), conditioning=cond)
             if cond.clean_frames:  # image-to-video: the data's first frames are the condition
-                tb.extras["clean_condition"] = self.student.clean_latents(batch)[:, :, : cond.clean_frames]
+                clean.extras["clean_condition"] = self.student.clean_latents(batch)[:, :, : cond.clean_frames]
         else:
-            tb = self.student.prepare_batch(batch, latents_source="data")
-            if tb.conditioning.clean_frames:
-                tb.extras["clean_condition"] = tb.latents[:, :, : tb.conditioning.clean_frames]
-        tb.noise = randn(tb.latents.shape, self._generator, tb.latents.device)
-        idx = self.sample_homogeneous_indices(tb.latents.shape[0], self._generator, tb.latents.device, in_range=False)
-        tb = self.attach_vsa_metadata(self.noise_to(tb, idx))
+            clean = self.student.prepare_batch(batch, latents_source="data")
+            if clean.conditioning.clean_frames:
+                clean.extras["clean_condition"] = clean.latents[:, :, : clean.conditioning.clean_frames]
+        if self.student.has_audio:
+            clean.extras["audio"] = self.student.silent_audio(clean.latents.shape[0], clean.latents.shape[2])
+        tb = self.attach_vsa_metadata(self.prepare(batch, self._generator, in_range=False, clean=clean))
         tb.unconditional = self._unconditional(batch, tb)
         return tb
 
