@@ -280,7 +280,7 @@ def export_diffusers(src: ExportSource, out: Path, stage: Stage = contextlib.nul
         return [_save_transformer(transformer, out, src.base.get("attention"))]
 
 
-def _expert_loras(src: ExportSource) -> dict[Optional[str], tuple[dict, Optional[dict]]]:
+def expert_loras(src: ExportSource) -> dict[Optional[str], tuple[dict, Optional[dict]]]:
     """(state, metadata) of the LoRA of each trained transformer, keyed by the Wan 2.2 expert it
     belongs to (None: the run's one transformer). A run of both experts keeps them in two files
     (`pytorch_lora_weights.safetensors` and `..._transformer_2.safetensors`), its checkpoints in one
@@ -317,7 +317,7 @@ def _export_expert_loras(src: ExportSource, out: Path, stage: Stage) -> list[Pat
     family = _family(src.base)
     with stage("writing each expert's LoRA"):
         written = []
-        for expert, (state, metadata) in _expert_loras(src).items():
+        for expert, (state, metadata) in expert_loras(src).items():
             if metadata is None:
                 raise ExportError(f"{src.lora_file}: no adapter metadata (alpha unknown)")
             name = DIFFUSERS_LORA_FILE.replace(".safetensors", f"{LORA_FILE_SUFFIX[expert]}.safetensors")
@@ -335,7 +335,7 @@ def export_comfyui(src: ExportSource, out: Path, stage: Stage = contextlib.nullc
         )
     family = _family(src.base)
     with stage("converting the LoRA"):
-        loras = _expert_loras(src)
+        loras = expert_loras(src)
         written = []
         for expert, (state, metadata) in loras.items():
             comfy = family.comfyui_lora_state(state, metadata, lambda: _transformer_class(_student_config(src.base, None, None))[1])
@@ -386,7 +386,7 @@ def export_merged(
         )
     with stage("reading the LoRA"):
         cls, _ = _transformer_class(st)
-        loras = _expert_loras(src)
+        loras = expert_loras(src)
     from fv_accel.models.wan import EXPERT_SUBFOLDERS
 
     classes = _family(src.base).transformer_classes

@@ -1,13 +1,18 @@
 """Generate a video from a trained student, streaming a causal one chunk by chunk.
 
-    python -m fv_accel.generate RUN_OR_MODEL --prompt "..." --num_frames N --output out.mp4
+    python -m fv_accel.generate RUN_OR_MODEL --prompt "..." --num_frames N --output out.mp4 [--overwrite]
         [--steps S] [--kv_window W] [--seed 0] [--negative_prompt ""] [--guidance_scale G]
         [--fps F] [--height H --width W] [--device cuda|cpu] [--image IMG]
 
-RUN_OR_MODEL is a run's output folder (its `transformer/`, the run config of its latest
-checkpoint, and `scheduler/` for a few-step student) or a diffusers model folder / Hub id (its
-`transformer/` may carry fv_accel's causal record). The VAE and text encoder come from where the
-run's validation takes them (`fv_accel.validation.sampling_model_source`), or from the model itself.
+RUN_OR_MODEL is a run's output folder (its `transformer/` or LoRA file, the run config of its latest
+checkpoint, and `scheduler/` for a few-step student), a checkpoint holding a LoRA, an export of a
+run (`<run>/exports/<final or checkpoint-N>_<to>`, with that run's config), or a diffusers model
+folder / Hub id (its `transformer/` may carry fv_accel's causal record). A run's student is built
+from its recipe as training built it (its base, at the run's seed) and its trained weights loaded
+into it: the transformer folder(s), or the LoRA adapter on the base. The VAE and text encoder come
+from where the run's validation takes them (`fv_accel.validation.sampling_model_source`), or from
+the model itself. A run without final weights yet is refused, naming the export of its latest
+checkpoint to generate from.
 
 - A block-causal student generates chunk by chunk (a chunk = its causal block of latent frames) with
   the KV-cached rollout (`fv_accel.rollout.iter_kv_cached_rollout`), at its run's sampler: the few
@@ -21,8 +26,10 @@ run's validation takes them (`fv_accel.validation.sampling_model_source`), or fr
   pipeline, as validation does) and writes the mp4 at the end.
 
 The mp4 is written as `<output>.partial` (fragmented, one fragment per frame, flushed as each chunk
-is written, so a reader sees it grow) and renamed to `<output>` when complete; a failed run
-removes it. Prints the time to the first chunk and the frames per second of the generation.
+is written, so a reader sees it grow) and renamed to `<output>` when complete; a failed or
+interrupted run removes it (Ctrl-C: one line, exit status 130), and an existing `<output>` is
+refused unless `--overwrite`. A family that makes sound with the picture (LTX-2) gets its mp4
+written whole, with the sound. Prints the time to the first chunk and the frames per second.
 """
 
 from __future__ import annotations
@@ -50,12 +57,13 @@ class Source:
     """What generation loads: the student's recipe, where its VAE and text encoder come from, and
     the sampler of its run."""
 
-    cfg: Any  # RunConfig whose models.student loads the trained transformer
+    cfg: Any  # RunConfig whose models.student builds the student as its run did (its base, its LoRA)
     model_source: str  # VAE + text encoder (+ scheduler config for the validation sampler)
     data_path: Optional[str]  # the run's training data (its clip size), when known
     few_step: Any = None  # SamplingSchedule of a few-step student's saved scheduler
     few_steps: int = 0
     is_run: bool = False
+    weights: Optional[Path] = None  # a run's trained weights: the folder of its transformer/ or its LoRA file
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,32 +126,42 @@ class FewSteps:
     origin: str
 
 
-def _from_run(run: Path, saved: dict) -> Source:
+def _from_run(folder: Path, ckpt: Path) -> Source:
+    """The trained weights in `folder` (a run's output folder, a checkpoint, or an export of the
+    run) with the recipe of the checkpoint `ckpt`: the student is built as its run built it (its
+    base, the VAE and text encoder the run used; a LoRA's settings) and the weights are loaded
+    into it (`load_trained_weights`)."""
+    from fv_accel.checkpoint import read_metadata
     from fv_accel.config import load_config
+    from fv_accel.methods.distribution_matching.dmd2 import STUDENT_STEPS_FILE
     from fv_accel.models import family_of
+    from fv_accel.models.lora import DIFFUSERS_LORA_FILE
     from fv_accel.validation import sampling_model_source
 
-    base = load_config(saved)
-    data_path = _run_data_path(base)
-    model_source = str(run) if (run / "vae").is_dir() else sampling_model_source(base, data_path)
+    lora = (folder / DIFFUSERS_LORA_FILE).is_file()
+    saved = read_metadata(ckpt)["config"]
+    if not lora:  # a whole transformer (a full run's, or a LoRA run's merged export): no adapter on it
+        student = {k: v for k, v in saved["models"]["student"].items() if k != "lora"}
+        saved = {**saved, "models": {**saved["models"], "student": student}}
+    cfg = load_config(saved, {"callbacks.validation.enable": False})
+    st = cfg.models.student
+    if lora and st.init_from is None and not st.transformer_config:
+        raise GenerateError(f"{folder}: the LoRA's base is unknown (its recipe names no models.student.init_from)")
+    data_path = _run_data_path(cfg)
+    model_source = str(folder) if (folder / "vae").is_dir() else sampling_model_source(cfg, data_path)
     if not model_source:
         raise GenerateError(
-            f"{run}: no VAE or text encoder known for this run (no vae/, no models.student.init_from, no dataset "
+            f"{folder}: no VAE or text encoder known for this run (no vae/, no models.student.init_from, no dataset "
             "model); its run config names none"
         )
-    student = {
-        "init_from": str(run), "transformer_config": None, "subfolder": "transformer", "revision": None,
-        "variant": None, "model_class": "auto", "lora.enable": False, "expert": base.models.student.expert,
-    }
-    overrides = {f"models.student.{k}": v for k, v in student.items()}
-    cfg = load_config(saved, {**overrides, "callbacks.validation.enable": False})
-    st = cfg.models.student
     if st.latents_mean is None:
         stats = family_of(cfg).latent_statistics(model_source)
         if stats is not None:
             st.latents_mean, st.latents_std = list(stats[0]), list(stats[1])
-    few, steps = _few_step(run, cfg)
-    return Source(cfg, model_source, data_path, few, steps, is_run=True)
+    # The few-step sampler saved beside the weights (an export of a full run copies scheduler/), else the run's.
+    beside = [folder / "scheduler", folder / STUDENT_STEPS_FILE]
+    few, steps = _few_step(folder if any(p.exists() for p in beside) else ckpt.parent, cfg)
+    return Source(cfg, model_source, data_path, few, steps, is_run=True, weights=folder)
 
 
 def _from_model(model: str) -> Source:
@@ -169,25 +187,64 @@ def _from_model(model: str) -> Source:
     return Source(load_config(recipe, overrides), model, None)
 
 
+def recipe_checkpoint(folder: Path) -> Optional[Path]:
+    """The checkpoint whose metadata holds the recipe the weights in `folder` were trained with:
+    `folder` itself (a checkpoint), the latest of the run `folder` is, or, for an export of a run
+    (`<run>/exports/<checkpoint-N or final>_<to>`), the checkpoint it names, else the run's latest."""
+    from fv_accel.checkpoint import METADATA_NAME, checkpoint_step, latest_checkpoint
+
+    def complete(path: Path) -> bool:
+        return checkpoint_step(path) is not None and (path / METADATA_NAME).is_file()
+
+    if complete(folder):
+        return folder
+    found = latest_checkpoint(folder)
+    if found is not None or folder.parent.name != "exports":
+        return found
+    named = folder.parent.parent / folder.name.split("_")[0]
+    return named if complete(named) else latest_checkpoint(folder.parent.parent)
+
+
+def _no_final_weights(folder: Path, ckpt: Path) -> GenerateError:
+    """A run still training (or stopped before its end): the export of its latest checkpoint to generate from."""
+    from fv_accel.export import default_export_dir, find_source
+
+    out = default_export_dir(find_source(ckpt), "diffusers")
+    what = "a checkpoint (training state)" if folder == ckpt else (
+        "no final weights yet (the run is still training or stopped before its end); its latest checkpoint")
+    return GenerateError(
+        f"{folder}: {what}: export it with `python -m fv_accel.export {ckpt} --to diffusers` and generate from {out}"
+    )
+
+
 def resolve_source(name: str) -> Source:
-    from fv_accel.checkpoint import latest_checkpoint, read_metadata
     from fv_accel.models.lora import DIFFUSERS_LORA_FILE
 
     path = Path(name)
-    if path.is_dir():
-        if (path / DIFFUSERS_LORA_FILE).is_file():
-            raise GenerateError(
-                f"{path}: a LoRA run; merge it into its base first (python -m fv_accel.export {path} --to merged)"
-            )
-        if not (path / "transformer" / "config.json").is_file():
-            raise GenerateError(f"{path}: no transformer/config.json (expected a run's output folder or a diffusers model folder)")
-        ckpt = latest_checkpoint(path)
-        if ckpt is not None:
-            return _from_run(path, read_metadata(ckpt)["config"])
-        return _from_model(str(path))
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise GenerateError(f"RUN_OR_MODEL '{name}': no such folder (a run's output folder, a model folder or a Hub id)")
-    return _from_model(name)
+    if not path.is_dir():
+        if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+            raise GenerateError(f"RUN_OR_MODEL '{name}': no such folder (a run's output folder, a model folder or a Hub id)")
+        return _from_model(name)
+    lora = (path / DIFFUSERS_LORA_FILE).is_file()
+    transformer = (path / "transformer" / "config.json").is_file()
+    ckpt = recipe_checkpoint(path)
+    if ckpt is not None:
+        if lora or transformer:
+            return _from_run(path, ckpt)
+        raise _no_final_weights(path, ckpt)
+    if lora:
+        raise GenerateError(
+            f"{path}: a LoRA without the recipe it was trained with (no checkpoint-<step>/ in or above this folder "
+            "holds it): generate from the run's output folder"
+        )
+    if not transformer:
+        raise GenerateError(f"{path}: no transformer/config.json (expected a run's output folder or a diffusers model folder)")
+    if not (path / "vae").is_dir() and not (path / "model_index.json").is_file():
+        raise GenerateError(
+            f"{path}: a transformer without its pipeline (no vae/, no model_index.json) and without a run's recipe: "
+            "generate from the run's output folder it was trained in, or from a diffusers model folder"
+        )
+    return _from_model(str(path))
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,15 +265,19 @@ def latent_count(num_frames: int, temporal: int) -> int:
     return (num_frames - 1) // temporal + 1
 
 
-def check_rope(transformer: torch.nn.Module, latent_frames: int, temporal: int, num_frames: int) -> None:
-    """Refuse a length the rotary table cannot position (Wan: `rope_max_seq_len` positions per axis)."""
+def check_rope(transformer: torch.nn.Module, temporal: int, num_frames: int) -> None:
+    """Refuse a length the rotary table cannot position (Wan: `rope_max_seq_len` positions per axis),
+    naming the most frames it can (checked before the VAE's frame rule, so that the nearest counts
+    it names are within the table)."""
     limit = getattr(transformer.config, "rope_max_seq_len", None)
+    if limit is None:
+        return
     p_t = int(transformer.config.patch_size[0])
-    if limit is not None and latent_frames // p_t > int(limit):
-        most = (int(limit) * p_t - 1) * temporal + 1
+    most = (int(limit) * p_t - 1) * temporal + 1
+    if num_frames > most:
         raise GenerateError(
-            f"--num_frames {num_frames}: {latent_frames} latent frames exceed the model's rotary table "
-            f"(rope_max_seq_len {limit}); at most {most} frames"
+            f"--num_frames {num_frames}: past the model's rotary table (rope_max_seq_len {limit}: "
+            f"{int(limit) * p_t} latent frames); at most {most} frames"
         )
 
 
@@ -257,12 +318,18 @@ class Loaded:
 
 def load(source: Source, prompt: str, negative_prompt: str, device: torch.device) -> Loaded:
     """The student (eval, no grad, on `device`), the family's VAE, and both prompts encoded."""
+    from accelerate.utils import set_seed
+
     from fv_accel.models import build_student
     from fv_accel.validation import prompt_columns
 
     cfg = source.cfg
-    torch.manual_seed(0)  # the transformer is built then loaded: a fixed seed keeps any unloaded tables fixed
+    # The training's seed: an inline (random-init) base is the run's own (a LoRA's base), and any
+    # table the weights do not hold is fixed.
+    set_seed(cfg.training.data.seed)
     student = build_student(cfg)
+    if source.weights is not None:
+        load_trained_weights(student, source.weights)
     student.init_preprocessors(cfg.training)
     for module in student.modules:
         module.to(device).eval().requires_grad_(False)
@@ -276,6 +343,52 @@ def load(source: Source, prompt: str, negative_prompt: str, device: torch.device
     vae = encoder.vae.float().eval().requires_grad_(False)
     spatial, temporal = int(encoder.spec.scale_factor_spatial), int(encoder.spec.scale_factor_temporal)
     return Loaded(source, student, vae, conds[0], conds[1], spatial, temporal)
+
+
+def load_trained_weights(student: Any, folder: Path) -> None:
+    """A run's trained weights into the student built from its recipe: its LoRA file(s) (the adapter,
+    and VSA gates, as a resume restores them), else each transformer folder the run saved."""
+    from fv_accel.export import expert_loras, find_source
+    from fv_accel.models.lora import DIFFUSERS_LORA_FILE
+
+    if (folder / DIFFUSERS_LORA_FILE).is_file():
+        loras = expert_loras(find_source(folder))
+        if len(loras) == 1:
+            ((_, (state, metadata)),) = loras.items()
+        else:  # both Wan 2.2 experts: keys named by expert, as the run's own adapter state
+            state = {f"{name}.{k}": v for name, (part, _) in loras.items() for k, v in part.items()}
+            metadata = next(iter(loras.values()))[1]
+        try:
+            student.load_lora_files_state(state, metadata)
+        except ValueError as err:
+            raise GenerateError(f"{folder / DIFFUSERS_LORA_FILE}: {err}") from None
+        return
+    import types
+
+    # The folders save_final wrote (a Wan 2.2 expert's in its own), each into its module.
+    for sub, module in student.transformer_folders(types.SimpleNamespace(unwrap_model=lambda m: m)).items():
+        _copy_weights(module, folder / sub)
+
+
+def _copy_weights(module: torch.nn.Module, folder: Path) -> None:
+    """The safetensors weights of a transformer folder (`save_pretrained`'s, shards included) copied
+    into `module`, which must have exactly their names."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise GenerateError(f"{folder}: no safetensors weights")
+    expected, seen = set(module.state_dict()), set()
+    for path in files:
+        part = load_file(str(path))
+        unknown = sorted(set(part) - expected)
+        if unknown:
+            raise GenerateError(f"{path}: weights {unknown[:3]} are not in the {type(module).__name__} its run's recipe builds")
+        module.load_state_dict(part, strict=False)
+        seen |= set(part)
+    missing = sorted(expected - seen)
+    if missing:
+        raise GenerateError(f"{folder}: missing weights {missing[:3]} of the {type(module).__name__} its run's recipe builds")
 
 
 def default_size(source: Source, spatial: int, temporal: int) -> tuple[int, int, Optional[int]]:
@@ -362,6 +475,7 @@ class Report:
     chunks: int
     cached_frames: list  # latent frames in the KV cache after each chunk (causal)
     streamed: bool
+    sound: bool = False  # the mp4 has the sound the family made with the picture (written whole)
 
 
 def _context(loaded: Loaded, settings: Settings) -> dict:
@@ -373,7 +487,8 @@ def _context(loaded: Loaded, settings: Settings) -> dict:
         return {"context_noise": 0.0, "context_timestep": 0.0}
     table = loaded.student.training_table(torch.Size([1, 1, 1, 1, 1]))
     sigma = float(table.nearest_sigmas(torch.tensor([settings.context]), 1)[0])
-    return {"context_noise": sigma, "context_timestep": float(settings.context)}
+    # The transformer is given the whole-number timestep, as in training (FastVideo's `timestep.long()`).
+    return {"context_noise": sigma, "context_timestep": float(int(settings.context))}
 
 
 def stream_causal(
@@ -434,9 +549,22 @@ def _sample_few_steps(loaded: Loaded, latent_shape: tuple, generator: torch.Gene
         lambda x, t: student.forward(x, t if per_frame else t[:, 0], loaded.text), noise, loaded.source.few_step.timesteps,
         student.training_table(torch.Size(latent_shape)), generator,
     )
-    writer.write(_to_pixels(loaded, latents))
+    return _write_whole(loaded, latents, writer, start)
+
+
+def _write_whole(loaded: Loaded, latents: torch.Tensor, writer: Any, start: float) -> Report:
+    """The whole clip into the mp4, with the sound a family makes with the picture (LTX-2) as its
+    audio track: then written at once (through a temporary name), as a streamed mp4 has no sound."""
+    from fv_accel.data.video import write_video
+
+    frames = _to_pixels(loaded, latents)
+    sound = loaded.student.sample_sound()
+    if sound is None:
+        writer.write(frames)
+    else:
+        write_video(writer.path, frames, fps=writer.fps, audio=sound)
     seconds = time.perf_counter() - start
-    return Report(writer.frames, seconds, seconds, 1, [], False)
+    return Report(len(frames), seconds, seconds, 1, [], False, sound=sound is not None)
 
 
 def sample_whole(loaded: Loaded, settings: Settings, args: argparse.Namespace, latent_shape: tuple, writer: Any) -> Report:
@@ -466,9 +594,7 @@ def sample_whole(loaded: Loaded, settings: Settings, args: argparse.Namespace, l
         latents = sample_with_scheduler(
             predict, noise, loaded.text, settings.schedule.build(), negative_text=loaded.negative if guided else None, **steps
         )
-    writer.write(_to_pixels(loaded, latents))
-    seconds = time.perf_counter() - start
-    return Report(writer.frames, seconds, seconds, 1, [], False)
+    return _write_whole(loaded, latents, writer, start)
 
 
 def _read_image(path: str, height: int, width: int) -> np.ndarray:
@@ -494,6 +620,8 @@ def generate(args: argparse.Namespace, on_chunk: Optional[Callable[[int, Any], N
     output = Path(args.output)
     if output.suffix.lower() != ".mp4":
         raise GenerateError(f"--output {args.output}: must end in .mp4")
+    if (output.exists() or output.is_symlink()) and not getattr(args, "overwrite", False):
+        raise GenerateError(f"--output {args.output}: the file exists; give another path, or add --overwrite to replace it")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     source = resolve_source(args.run_or_model)
     loaded = load(source, args.prompt, args.negative_prompt, device)
@@ -503,14 +631,15 @@ def generate(args: argparse.Namespace, on_chunk: Optional[Callable[[int, Any], N
     args.height, args.width = args.height or height, args.width or width
     if args.height % loaded.spatial or args.width % loaded.spatial:
         raise GenerateError(f"--height {args.height} / --width {args.width}: must be multiples of {loaded.spatial}")
+    check_rope(student.transformer, loaded.temporal, args.num_frames)
     latent_frames = latent_count(args.num_frames, loaded.temporal)
-    check_rope(student.transformer, latent_frames, loaded.temporal, args.num_frames)
     shape = (1, student.in_channels, latent_frames, args.height // loaded.spatial, args.width // loaded.spatial)
     settings = sampler_settings(loaded, args, shape)
     causal = getattr(student, "causal_attention", None) is not None
     if args.kv_window is not None:
         student.causal_attention.set_window(args.kv_window)
-    fps = args.fps or (source.cfg.callbacks.validation.fps if source.is_run else 16)
+    # A family that makes sound with the picture (LTX-2) at the frame rate it was made for.
+    fps = args.fps or (student.frame_rate if student.has_audio else source.cfg.callbacks.validation.fps if source.is_run else 16)
     kind = f"causal student (chunks of {student.causal_block_size} latent frames)" if causal else "bidirectional student"
     trained_text = f" (trained on {trained})" if trained else ""
     print(f"{args.run_or_model}: {kind}; {args.num_frames} frames{trained_text} at {args.width}x{args.height}, "
@@ -523,13 +652,14 @@ def generate(args: argparse.Namespace, on_chunk: Optional[Callable[[int, Any], N
             report = stream_causal(loaded, settings, noise, writer, generator, on_chunk)
         else:
             report = sample_whole(loaded, settings, args, shape, writer)
-        writer.close()
+        if not report.sound:
+            writer.close()
     except BaseException:
         writer.abort()
         raise
     print(f"time to first chunk: {report.first_chunk_seconds:.2f} s")
     print(f"{report.frames} frames in {report.seconds:.2f} s: {report.frames / report.seconds:.2f} frames per second")
-    print(f"wrote {output}")
+    print(f"wrote {output}" + (" (with sound)" if report.sound else ""))
     return report
 
 
@@ -538,12 +668,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m fv_accel.generate",
         description="Generate a video from a trained student; a causal student streams chunk by chunk.",
         epilog="The mp4 grows as <output>.partial while it is generated (a reader can watch it) and is renamed "
-        "to <output> when complete; a failed run removes it.",
+        "to <output> when complete; a failed or interrupted run removes it.",
     )
-    parser.add_argument("run_or_model", metavar="RUN_OR_MODEL", help="a run's output folder, a diffusers model folder or a Hub id")
+    parser.add_argument("run_or_model", metavar="RUN_OR_MODEL",
+                        help="a run's output folder (full or LoRA), an export of it, a diffusers model folder or a Hub id")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--num_frames", type=int, required=True, help="video frames (Wan: 4k+1)")
-    parser.add_argument("--output", required=True, help="the mp4 to write (grows as <output>.partial meanwhile)")
+    parser.add_argument("--output", required=True, help="the mp4 to write (grows as <output>.partial meanwhile); "
+                        "an existing file is refused unless --overwrite")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file (once the new one is complete)")
     parser.add_argument("--image", default=None, help="the first frame, for an image-to-video student")
     parser.add_argument("--steps", type=int, default=None, help="sampling steps (default: the run's sampler)")
     parser.add_argument("--kv_window", type=int, default=None, metavar="W",
@@ -573,6 +706,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (GenerateError, ConfigError, OSError, ValueError) as err:
         report_error(err)
         return 2
+    except KeyboardInterrupt:  # the partial file is removed; an earlier --output file stays as it was
+        state = "left unchanged" if Path(args.output).exists() else "not written"
+        print(f"interrupted: {args.output} {state}", file=sys.stderr)
+        return 130
     return 0
 
 

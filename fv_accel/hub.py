@@ -66,12 +66,16 @@ def card_text(
     steps: Optional[int] = None,
     repo_id: Optional[str] = None,
     summary: Optional[dict] = None,
+    pipeline: Optional[str] = None,
 ) -> str:
     """The model card of the run in `output_dir` (front matter + body), from its recipe `cfg`.
 
     `family` is the student's family class (its pipeline and ComfyUI support), `kind` its
     model_class, `task` "t2v"/"i2v", `shift` the training shift it used, `data_size` the number of
-    training clips (held-out ones left out), `steps` the final step; `repo_id` is what the loading snippets load (else the folder).
+    training clips (held-out ones left out), `steps` the final step; `repo_id` is what the loading
+    snippets load (else the folder); `pipeline` the model folder or Hub id the run's VAE, text
+    encoder and scheduler came from (`fv_accel.validation.sampling_model_source`), which the
+    snippets load the pipeline from.
     """
     output_dir = Path(output_dir)
     st = cfg.models.student
@@ -85,7 +89,7 @@ def card_text(
     lines += _training_lines(cfg, lora, shift, data_size, steps, summary)
     lines += ["", "## Use it with diffusers", ""]
     vsa = cfg.training.vsa.sparsity if cfg.training.vsa.enabled else None
-    lines += _diffusers_snippet(output_dir, where, family, kind, lora, base or st.init_from, vsa)
+    lines += _diffusers_snippet(output_dir, where, family, kind, lora, st.init_from, vsa, pipeline)
     lines += _few_step_lines(output_dir, where, cfg)
     lines += _usage_notes(output_dir, cfg)
     lines += _sample_lines(output_dir, cfg)
@@ -126,7 +130,8 @@ def _training_lines(
     ]
     if method in ("dfsft", "tfsft"):
         lines.append(f"- chunk size: {cfg.method.chunk_size} latent frames")
-    lines.append(f"- timestep range: {cfg.method.min_timestep_ratio} to {cfg.method.max_timestep_ratio} of the schedule")
+    if method != "self_forcing":  # its score timesteps span the whole schedule, whatever the window keys say
+        lines.append(f"- timestep range: {cfg.method.min_timestep_ratio} to {cfg.method.max_timestep_ratio} of the schedule")
     shift_text = shift if shift is not None else (st.flow_shift if st.flow_shift is not None else "the family's default")
     lines.append(f"- training shift: {json.dumps(shift_text) if isinstance(shift_text, dict) else shift_text}")
     if st.causal:
@@ -168,10 +173,20 @@ def _set_aside_text(skipped: Optional[list]) -> str:
 
 def _few_step_lines(output_dir: Path, where: str, cfg: Any) -> list[str]:
     """A few-step student (DMD2): sample it with the scheduler saved beside it, at its step count
-    and without guidance, as the run's validation did."""
+    and without guidance, as the run's validation did (its first prompt, at the size of its sample
+    videos or its validation keys, else the pipeline's default size; with its text length)."""
+    from fv_accel.data.loader import TEXT_MAX_LENGTH
+
     if not (output_dir / "scheduler" / "scheduler_config.json").is_file() or not cfg.method.dmd_denoising_steps:
         return []
     steps = len(cfg.method.dmd_denoising_steps)
+    prompts = list(cfg.callbacks.validation.prompts or [])
+    prompt = prompts[0] if prompts and isinstance(prompts[0], str) else "a prompt"
+    val = cfg.callbacks.validation
+    size = _sample_size(output_dir) or ((val.height, val.width, val.num_frames) if val.height and val.width and val.num_frames else None)
+    args = "" if size is None else f"height={size[0]}, width={size[1]}, num_frames={size[2]}, "
+    length = cfg.training.data.text_max_length
+    args += f"max_sequence_length={length}, " if length != TEXT_MAX_LENGTH else ""
     return [
         "", f"A {steps}-step student (distilled with DMD2): sample it with the scheduler saved beside it, in "
         f"{steps} steps, without classifier-free guidance (the teacher's guidance is distilled in):", "",
@@ -179,10 +194,27 @@ def _few_step_lines(output_dir: Path, where: str, cfg: Any) -> list[str]:
         f'pipe.scheduler = FlowMatchLCMScheduler.from_pretrained("{where}", subfolder="scheduler")',
         "seed = 1234",
         "torch.manual_seed(seed + 1)  # each step's fresh noise comes from the global generator",
-        f'video = pipe("a prompt", num_inference_steps={steps}, guidance_scale=1.0, '
+        f"video = pipe({json.dumps(prompt)}, {args}num_inference_steps={steps}, guidance_scale=1.0, "
         "generator=torch.Generator().manual_seed(seed)).frames[0]",
         "```",
     ]
+
+
+def _sample_size(output_dir: Path) -> Optional[tuple[int, int, int]]:
+    """(height, width, frames) of the run's last sample video, None without one."""
+    _, videos = _last_samples(output_dir)
+    video = next((v for v in videos if v.suffix == ".mp4"), None)
+    if video is None:
+        return None
+    import av
+
+    try:
+        with av.open(str(video)) as container:
+            stream = container.streams.video[0]
+            size = int(stream.height), int(stream.width), int(stream.frames)
+    except (OSError, ValueError, IndexError):  # an unreadable sample: the pipeline's default size
+        return None
+    return size if size[2] > 0 else None
 
 
 def _usage_notes(output_dir: Path, cfg: Any) -> list[str]:
@@ -250,54 +282,86 @@ def _vsa_snippet(where: str, lora: bool, sparsity: float, subfolder: str = "tran
 
 
 def _diffusers_snippet(
-    output_dir: Path, where: str, family: Any, kind: Optional[str], lora: bool, base: Optional[str], vsa: Optional[float] = None
+    output_dir: Path, where: str, family: Any, kind: Optional[str], lora: bool, base: Optional[str],
+    vsa: Optional[float] = None, pipeline: Optional[str] = None,
 ) -> list[str]:
-    """Loading code: DiffusionPipeline picks the base repo's own pipeline class (model_index.json),
-    which is right for every family and task; the transformer class is the student's. `vsa`: the
-    sparsity of a run trained with video sparse attention (its gates need fv_accel to load)."""
-    return _plain_snippet(output_dir, where, family, kind, lora, base) + (
+    """Loading code: the pipeline repo's own class (its model_index.json), which is right for every
+    family and task; the transformer class is the student's. `base` is the run's `init_from`,
+    `pipeline` where its VAE and text encoder came from (`_pipeline_source`); `vsa`: the sparsity
+    of a run trained with video sparse attention (its gates need fv_accel)."""
+    return _plain_snippet(output_dir, where, family, kind, lora, base, pipeline) + (
         [] if vsa is None else _vsa_snippet(where, lora, vsa)
     )
 
 
-def _plain_snippet(output_dir: Path, where: str, family: Any, kind: Optional[str], lora: bool, base: Optional[str]) -> list[str]:
-    pipe = "DiffusionPipeline"
+def _pipeline_source(base: Optional[str], pipeline: Optional[str] = None) -> Optional[str]:
+    """The pipeline folder or Hub id the snippets load the VAE, text encoder and scheduler from: the
+    run's own (`pipeline`), else its base when that is a pipeline (a Hub id, or a folder with
+    model_index.json); None when unknown (an inline base, or a run folder of ours as base)."""
+    if pipeline:
+        return pipeline
+    if base and (_is_hub_id(base) or (Path(base) / "model_index.json").is_file()):
+        return base
+    return None
+
+
+def _pipeline_class_name(source: Optional[str]) -> str:
+    """The diffusers pipeline class the snippets load `source` with: the class its model_index.json
+    names (a folder, or a Hub repo in the local cache), else DiffusionPipeline. Named where known:
+    `DiffusionPipeline.from_pretrained` drops a passed component that the pipeline declares optional
+    (Wan's `transformer`) and loads the repo's own instead."""
+    index = None
+    if source and Path(source, "model_index.json").is_file():
+        index = Path(source, "model_index.json")
+    elif source and _is_hub_id(source):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, "model_index.json")
+        index = Path(cached) if isinstance(cached, str) else None
+    try:
+        name = json.loads(index.read_text()).get("_class_name") if index is not None else None
+    except (OSError, ValueError):
+        name = None
+    return str(name or "DiffusionPipeline")
+
+
+def _plain_snippet(
+    output_dir: Path, where: str, family: Any, kind: Optional[str], lora: bool, base: Optional[str], pipeline: Optional[str]
+) -> list[str]:
     transformer_cls = None
     if family is not None:
         classes = getattr(family, "transformer_classes", {})
         transformer_cls = classes.get(kind) or (next(iter(classes.values())) if classes else None)
-    base_id = base or "<base model>"
-    if lora:
-        out = [
-            "```python",
-            "import torch",
-            f"from diffusers import {pipe}",
-            "",
-            f'pipe = {pipe}.from_pretrained("{base_id}", torch_dtype=torch.bfloat16)',
-            f'pipe.load_lora_weights("{where}")',
-            "```",
-        ]
-        others = sorted(p.name for p in output_dir.glob("pytorch_lora_weights_*.safetensors") if "comfyui" not in p.name)
-        if others:  # a second expert's adapter (Wan 2.2 A14B, expert: both)
-            out += ["", "Also here: " + ", ".join(f"`{n}`" for n in others) + " (`weight_name=` of `load_lora_weights`)."]
-        return out
     name = transformer_cls.__name__ if transformer_cls is not None else "AutoModel"
-    subs = sorted(p.name for p in output_dir.glob("transformer*") if (p / "config.json").is_file()) or ["transformer"]
-    out = ["```python", "import torch", f"from diffusers import {pipe}, {name}", ""]
-    for i, sub in enumerate(subs):
-        var = "transformer" if i == 0 else f"transformer_{i + 1}"
-        out.append(f'{var} = {name}.from_pretrained("{where}", subfolder="{sub}", torch_dtype=torch.bfloat16)')
-    if base:
-        args = ", ".join(("transformer" if i == 0 else f"transformer_{i + 1}") + "=" + ("transformer" if i == 0 else f"transformer_{i + 1}") for i in range(len(subs)))
-        out.append(f'pipe = {pipe}.from_pretrained("{base_id}", {args}, torch_dtype=torch.bfloat16)')
+    source = _pipeline_source(base, pipeline)
+    pipe = _pipeline_class_name(source)
+    if lora and base is None:
+        return ["The LoRA's base was built from the recipe's inline `transformer_config` (random weights, not saved): "
+                f"the adapter applies to that base only. `python -m fv_accel.generate {output_dir.resolve()}` rebuilds it "
+                "from the run's recipe and samples with the adapter."]
+    if lora:  # the base's transformer, in the pipeline it was trained with, and the adapter on it
+        subs = [] if base == source else [("transformer", base)]
+    else:
+        subs = [(p.name, where) for p in sorted(output_dir.glob("transformer*")) if (p / "config.json").is_file()]
+        subs = subs or [("transformer", where)]
+    out = ["```python", "import torch", f"from diffusers import {pipe}" + (f", {name}" if subs else ""), ""]
+    names = ["transformer" if i == 0 else f"transformer_{i + 1}" for i in range(len(subs))]
+    for var, (sub, folder) in zip(names, subs):
+        out.append(f'{var} = {name}.from_pretrained("{folder}", subfolder="{sub}", torch_dtype=torch.bfloat16)')
+    if source:
+        args = "".join(f", {var}={var}" for var in names)
+        out.append(f'pipe = {pipe}.from_pretrained("{source}"{args}, torch_dtype=torch.bfloat16)')
+    if lora and source:
+        out.append(f'pipe.load_lora_weights("{where}")')
     out.append("```")
-    if not base:
-        out.append("")
-        out.append("The base was built from an inline config: the transformer loads on its own; pair it with the "
-                   "VAE and text encoder it was trained with.")
-    if (output_dir / "ema" / "transformer" / "config.json").is_file():
-        out.append("")
-        out.append('EMA weights: `subfolder="ema/transformer"`.')
+    if not source:
+        out += ["", "The pipeline the run sampled with is not recorded: the transformer loads on its own; pair it with "
+                "the VAE and text encoder it was trained with" + (", then load the LoRA onto it." if lora else ".")]
+    others = sorted(p.name for p in output_dir.glob("pytorch_lora_weights_*.safetensors") if "comfyui" not in p.name)
+    if lora and others:  # a second expert's adapter (Wan 2.2 A14B, expert: both)
+        out += ["", "Also here: " + ", ".join(f"`{n}`" for n in others) + " (`weight_name=` of `load_lora_weights`)."]
+    if not lora and (output_dir / "ema" / "transformer" / "config.json").is_file():
+        out += ["", 'EMA weights: `subfolder="ema/transformer"`.']
     return out
 
 

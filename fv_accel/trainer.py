@@ -607,6 +607,7 @@ class Trainer:
                 steps=self.step,
                 repo_id=self.config.training.hub.repo_id if self.config.training.hub.push_to_hub else None,
                 summary=summary,
+                pipeline=getattr(self.method, "model_source", None),
             )
             print(f"model card: {write_model_card(self.output_dir, text)}", flush=True)
         except Exception as err:  # noqa: BLE001 - a card problem must not fail a finished run

@@ -64,13 +64,17 @@ def test_lora_run_writes_a_card_and_pushes_its_outputs(tmp_path, tiny_data_path,
         "training.hub.push_to_hub": True, "training.hub.repo_id": "me/x",
         "training.hub.private": True, "training.hub.revision": "v1",
     }
-    Trainer(build_from_config(default_recipe("dfsft"), overrides)).run()
+    run = build_from_config(default_recipe("dfsft"), overrides)
+    Trainer(run).run()
     out = tmp_path / "out"
     card = ModelCard.load(out / "README.md")
     assert card.data.library_name == "diffusers" and card.data.pipeline_tag == "text-to-video"
     assert {"dfsft", "diffusion-forcing", "lora", "wan", "text-to-video"} <= set(card.data.tags)
     assert card.data.base_model is None  # the tiny base is an inline config, not a Hub model
-    for text in ("chunk size: 3", "training shift: 3.0", "steps: 2", "(8 training clips)", 'load_lora_weights("me/x")',
+    # The adapter's base is the recipe's inline, randomly initialised transformer: no stock pipeline
+    # holds it, so the card points at generate (which rebuilds it) instead of a snippet that loads another.
+    assert "load_lora_weights" not in card.text and f"python -m fv_accel.generate {out.resolve()}" in card.text
+    for text in ("chunk size: 3", "training shift: 3.0", "steps: 2", "(8 training clips)",
                  "Use it with ComfyUI", "LoRA: rank 4"):
         assert text in card.text, text
     (create, _, c), (branch, _, b), (upload, repo, u) = RecordingApi.calls
@@ -81,6 +85,14 @@ def test_lora_run_writes_a_card_and_pushes_its_outputs(tmp_path, tiny_data_path,
             "base_model.json", "logs/metrics.jsonl"} <= set(u["files"])
     assert (out / "checkpoint-1").is_dir() and not any(f.startswith(("checkpoint-", ".fv_accel")) for f in u["files"])
     assert "pushed" in capsys.readouterr().out
+    # What the card points to: generate rebuilds the inline base at the run's seed, the adapter on it.
+    import torch
+
+    from fv_accel.generate import load, resolve_source
+
+    rebuilt = load(resolve_source(str(out)), "a prompt", "", torch.device("cpu")).student.transformer.state_dict()
+    trained = run.method.student.transformer.state_dict()
+    assert rebuilt.keys() == trained.keys() and all(torch.equal(rebuilt[k], trained[k]) for k in trained)
 
 
 def test_push_without_network_fails_in_one_line_and_keeps_the_outputs(tmp_path, tiny_data_path, capsys):
