@@ -7,6 +7,7 @@ trains the video with the audio branch hearing silence."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,14 +36,35 @@ def generate(pipe):
                 output_type="pt", max_sequence_length=64, generator=torch.Generator().manual_seed(0))
 
 
-def test_the_stock_pipeline_loads_the_tiny_ltx2_and_makes_video_and_sound(ltx2):
+# tiny model -> (release its transformer's flags say, vocoder class, its output rate, text encoder class)
+LTX2_RELEASES = {
+    "ltx2": ("2.0", "LTX2Vocoder", 16000, "Gemma3ForConditionalGeneration"),
+    "ltx2_3": ("2.3", "LTX2VocoderWithBWE", 48000, "Gemma3ForConditionalGeneration"),
+    "ltx2_5": ("2.5", "LTX2VocoderWithBWE", 48000, "Gemma4UnifiedForConditionalGeneration"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LTX2_RELEASES))
+def test_the_stock_pipeline_loads_the_tiny_ltx2_and_makes_video_and_sound(tiny_model_of, name):
+    """Each tiny release loads in the stock LTX2Pipeline (its own vocoder and text encoder classes)
+    and makes 9 frames with stereo sound as long as the picture at the vocoder's rate."""
     from diffusers import DiffusionPipeline, LTX2Pipeline
 
-    pipe = DiffusionPipeline.from_pretrained(str(ltx2[0]))
-    assert type(pipe) is LTX2Pipeline
+    from fv_accel.models.ltx2 import ltx2_version
+
+    release, vocoder, rate, text_encoder = LTX2_RELEASES[name]
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_model_of(name)))
+    assert type(pipe) is LTX2Pipeline and ltx2_version(pipe.transformer.config) == release
+    assert (type(pipe.vocoder).__name__, pipe.vocoder.config.output_sampling_rate, type(pipe.text_encoder).__name__) == (
+        vocoder, rate, text_encoder
+    )
+    # Every release's conversion writes split rotary embeddings (the classes' default is interleaved).
+    assert (pipe.transformer.config.rope_type, pipe.connectors.config.rope_type) == ("split", "split")
     out = generate(pipe)
     assert tuple(out.frames.shape) == (1, 9, 3, 64, 64)
-    assert out.audio.shape[:2] == (1, 2) and out.audio.shape[-1] > 1000  # stereo, 16 kHz
+    # Stereo, about 9 / 24 s (the mel frames the audio VAE's causal decoder gives back, upsampled).
+    assert out.audio.shape[:2] == (1, 2) and out.audio.shape[-1] / rate == pytest.approx(9 / 24, abs=0.06)
+    assert bool(torch.isfinite(out.audio).all())
 
 
 def train(tmp_path: Path, ltx2, **extra) -> Path:
@@ -161,30 +183,109 @@ def test_sample_videos_carry_the_sound_the_pipeline_made(tmp_path, ltx2):
     assert seconds[1] == pytest.approx(seconds[0], abs=0.05)
 
 
+# ---- LTX-2.3 and LTX-2.5 ----
+
+
+# LTX-2.3 (the issue's release); LTX-2.5 differs from it in the transformer's flags and the text
+# encoder, whose inputs test_pipeline_consistency.py::test_ltx2[ltx2_5-t2v] holds to the pipeline's.
+@pytest.mark.parametrize("name", ["ltx2_3"])
+def test_a_release_trains_a_lora_the_stock_pipeline_loads_and_exports_merged(tmp_path, tiny_model_of, name):
+    """LTX-2.3 through the LTX-2 family: its clips with sound preprocessed by its own encoders, 3
+    video-only LoRA steps, a LoRA file LTX2Pipeline.load_lora_weights takes and whose effect changes
+    the pipeline's video; the checkpoint merged into a transformer of the same release (its flags
+    kept) with only video attention weights changed."""
+    from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+
+    from fv_accel.export import export_merged, find_source
+    from fv_accel.models.ltx2 import ltx2_version
+
+    model = tiny_model_of(name)
+    result = preprocess_sound_clips(model, tmp_path)
+    assert result.encoded == 3 and result.audio["with_sound"] == 2, result.summary
+    out = train(tmp_path, (model, tmp_path / "data"), **{
+        "training.loop.max_train_steps": 3, "training.optimizer.learning_rate": 1e-2, "training.optimizer.lr_warmup_steps": 0,
+        "training.checkpoint.training_state_checkpointing_steps": 3,
+    })
+    keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
+    assert len(keys) == 2 * 2 * 4 * 2 and not [k for k in keys if is_audio_or_cross_modal(k)]  # blocks x attn x proj x A/B
+    pipe = LTX2Pipeline.from_pretrained(str(model))
+    before = generate(pipe).frames
+    pipe.load_lora_weights(str(out))
+    after = generate(pipe)
+    change = float((after.frames - before).abs().max())
+    print(f"{name}: LoRA changes the pipeline's video by up to {change:.3g}")
+    assert change > 1e-3 and bool(torch.isfinite(after.audio).all())
+
+    (written,) = export_merged(find_source(out / "checkpoint-3"), tmp_path / "merged")
+    merged = LTX2VideoTransformer3DModel.from_pretrained(str(written))
+    base = LTX2VideoTransformer3DModel.from_pretrained(str(model), subfolder="transformer")
+    assert ltx2_version(merged.config) == LTX2_RELEASES[name][0]
+    assert {k: v for k, v in merged.config.items() if k != "_name_or_path"} == {
+        k: v for k, v in base.config.items() if k != "_name_or_path"
+    }
+    merged_state = merged.state_dict()
+    changed = [k for k, v in base.state_dict().items() if not torch.equal(v, merged_state[k])]
+    assert len(changed) == 2 * 2 * 4 and all(".attn1." in k or ".attn2." in k for k in changed), changed
+
+
+def test_an_unknown_release_flag_or_text_encoder_is_refused_in_one_line(tmp_path, tiny_model_of):
+    """A transformer config key the installed diffusers does not take (a newer release's) and a text
+    encoder the family does not run are each refused in one line naming the key or the class."""
+    from fv_accel.models import build_student
+    from fv_accel.config import default_recipe, load_config
+    from fv_accel.models.ltx2 import text_encoder_class
+
+    model = tmp_path / "ltx2_3"
+    shutil.copytree(tiny_model_of("ltx2_3"), model)
+    config = json.loads((model / "transformer" / "config.json").read_text())
+    (model / "transformer" / "config.json").write_text(json.dumps({**config, "use_future_flag": True}))
+    cfg = load_config(default_recipe("finetune"), {"models.student.init_from": str(model), "callbacks.validation.enable": False})
+    with pytest.raises(ValueError) as err:
+        build_student(cfg)
+    assert "\n" not in str(err.value) and "sets use_future_flag, which diffusers" in str(err.value)
+    assert str(err.value).endswith("(a newer LTX-2 release than LTX-2.3): upgrade diffusers")
+    index = json.loads((model / "model_index.json").read_text())
+    (model / "model_index.json").write_text(json.dumps({**index, "text_encoder": ["transformers", "T5EncoderModel"]}))
+    with pytest.raises(ValueError) as err:
+        text_encoder_class(str(model))
+    assert "\n" not in str(err.value) and "text encoder T5EncoderModel is not one the LTX-2 family runs" in str(err.value)
+
+
 # ---- recipes ----
 
 ROOT = Path(__file__).resolve().parents[1]
-LTX2_RECIPES = {"ltx2_t2v_lora": False, "ltx2_t2av_lora": True}  # recipe -> train_audio
+# recipe -> (Hub id, train_audio, LoRA rank or None for a full fine-tune)
+LTX2_RECIPES = {
+    "ltx2_t2v_lora": ("Lightricks/LTX-2", False, 64),
+    "ltx2_t2av_lora": ("Lightricks/LTX-2", True, 64),
+    "ltx2_3_t2v": ("diffusers/LTX-2.3-Distilled-Diffusers", False, None),
+    "ltx2_3_t2v_lora": ("diffusers/LTX-2.3-Distilled-Diffusers", False, 16),
+}
 
 
 @pytest.mark.parametrize("name", sorted(LTX2_RECIPES))
 def test_ltx2_recipes_dry_run_offline_with_the_memory_estimate(name, capsys, monkeypatch):
-    """Each recipe prints offline (the Hub id of LTX2Pipeline's docstrings, no network) with the
-    memory estimate of the published LTX-2.0 architecture: rank-64 LoRA on the video attention
-    (attn1, attn2: 4 projections 4096 -> 4096 each, 48 blocks), and with train_audio also on the audio
-    attention (2048 wide) and the cross-modal attention (2048 wide, keys and values of the video for
-    audio-to-video from 4096)."""
+    """Each recipe prints offline (the Hub id of diffusers' LTX-2 pipelines' docstrings, no network)
+    with the memory estimate of the published architecture (LTX-2.0, or LTX-2.3: the same widths with
+    gated attention): LoRA on the video attention (attn1, attn2: 4 projections 4096 -> 4096 each, 48
+    blocks), and with train_audio also on the audio attention (2048 wide) and the cross-modal
+    attention (2048 wide, keys and values of the video for audio-to-video from 4096); a full
+    fine-tune counts every weight, the gates of the 2.3 attention included."""
     import yaml
 
     from fv_accel.cli import main
 
+    repo, train_audio, rank = LTX2_RECIPES[name]
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main("finetune", ["--config", f"configs/{name}.yaml", "--dry-run"]) == 0
     out = capsys.readouterr().out
     st = yaml.safe_load(out)["models"]["student"]
-    assert st["init_from"] == "Lightricks/LTX-2" and st["train_audio"] is LTX2_RECIPES[name] and st["lora"]["enable"]
-    rank, layers = 64, 48
+    assert st["init_from"] == repo and st["train_audio"] is train_audio and st["lora"]["enable"] is (rank is not None)
+    if rank is None:
+        assert "full fine-tune (18,988,838,144 parameters)" in out, out[-1500:]
+        return
+    layers = 48
 
     def lora(i, o):
         return rank * (i + o)
@@ -195,8 +296,25 @@ def test_ltx2_recipes_dry_run_offline_with_the_memory_estimate(name, capsys, mon
     # 2048 -> 4096; video_to_audio_attn the other way round.
     a2v = lora(4096, 2048) + lora(2048, 2048) * 2 + lora(2048, 4096)
     v2a = lora(2048, 2048) + lora(4096, 2048) * 2 + lora(2048, 2048)
-    expected = layers * (video + (audio + a2v + v2a if LTX2_RECIPES[name] else 0))
-    assert f"LoRA rank 64 ({expected:,} of " in out, out[-1500:]
+    expected = layers * (video + (audio + a2v + v2a if train_audio else 0))
+    assert f"LoRA rank {rank} ({expected:,} of " in out, out[-1500:]
+
+
+def test_the_ltx2_3_recipes_have_fastvideos_values():
+    """FastVideo's LTX-2.3 fine-tuning values: 81 frames at 480x832, no weight decay, constant LR,
+    2000 steps, clip 1.0, samples every 250 steps at the distilled checkpoint's 8 steps and guidance
+    1; full: lr 5e-5; LoRA: rank 16, alpha 32, lr 1e-4."""
+    from fv_accel.config import load_config
+
+    for name, lr, lora in (("ltx2_3_t2v", 5e-5, None), ("ltx2_3_t2v_lora", 1e-4, (16, 32.0))):
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+        d, o, v = cfg.training.data, cfg.training.optimizer, cfg.callbacks.validation
+        assert (d.num_frames, d.num_height, d.num_width, d.train_batch_size, d.text_max_length) == (81, 480, 832, 1, 1024)
+        assert (o.learning_rate, o.weight_decay, o.lr_scheduler, o.lr_warmup_steps) == (lr, 0.0, "constant", 0)
+        assert (cfg.training.loop.max_train_steps, cfg.callbacks.grad_clip.max_grad_norm) == (2000, 1.0)
+        assert (v.every_steps, v.sampling_steps, v.guidance_scale, v.num_frames) == (250, 8, 1.0, 81)
+        lo = cfg.models.student.lora
+        assert ((lo.rank, lo.alpha) if lo.enable else None) == lora
 
 
 def test_train_audio_on_a_family_without_sound_is_refused_in_one_line():

@@ -16,6 +16,15 @@ Training calls the transformer as `LTX2Pipeline` (text-to-video+audio) and `LTX2
   sample (`audio_timestep`), `sigma` the sample's timestep, `use_cross_timestep` as the pipeline's
   default. Values are sigma * 1000; the outputs are velocities (eps - x0).
 
+LTX-2.3 and LTX-2.5 (diffusers/LTX-2.3-Diffusers, Lightricks/LTX-2.5-Diffusers) are the same family:
+their differences are config flags the checkpoint sets and the stock classes read (`ltx2_version`
+names them): the transformer's gated attention and prompt modulation (fed the step's `sigma`, as the
+pipelines pass it), split RoPE, no caption projection, 2.5's bias-free video feed-forward and
+keyframe embedding (which LTX2Pipeline never feeds: it stays unused); the connectors' per-modality
+projections; the 2.3 VAE decoder; the bandwidth-extension vocoder (the class model_index.json names);
+LTX-2.5's Gemma 4 text encoder (`LTX2_TEXT_ENCODERS`, the class model_index.json names). A transformer
+config key the installed diffusers does not know, or another text encoder, is refused in one line.
+
 `models.student.train_audio` (FastVideo's name): false (the default) freezes the audio branch and the
 cross-modal layers (no gradient, not in the optimizer, no LoRA on them); the audio branch is still run
 (the video attends to it), fed the clip's audio noised at the sample's level or, for a clip without
@@ -73,6 +82,51 @@ def conditioning_frame_rate(frame_rate: float) -> float:
     from diffusers.pipelines.ltx2.utils import conditioning_frame_rate as rule
 
     return float(rule(frame_rate, pipeline_default("motion_speed")))
+
+
+# The text encoders of the LTX-2 checkpoints diffusers publishes (model_index.json's class): Gemma 3
+# (LTX-2.0, 2.3), Gemma 4 (LTX-2.5); each gives LTX2Pipeline the hidden states of every layer.
+LTX2_TEXT_ENCODERS = ("Gemma3ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration")
+
+
+def ltx2_version(config: dict) -> str:
+    """"2.0", "2.3" or "2.5": the LTX-2 release a transformer config's flags are (gated attention and
+    prompt modulation from 2.3 on; the keyframe embedding or a bias-free video feed-forward from 2.5)."""
+    if config.get("use_keyframes_abs_pos_embedding", False) or not config.get("ff_bias", True):
+        return "2.5"
+    if config.get("cross_attn_mod", False) or config.get("gated_attn", False):
+        return "2.3"
+    return "2.0"
+
+
+def check_transformer_config(config: dict, model: str) -> None:
+    """Refuse, in one line, an LTX-2 transformer config.json that sets a key the installed diffusers'
+    LTX2VideoTransformer3DModel does not take (a later release's flag, which loading would drop)."""
+    import inspect
+
+    import diffusers
+
+    known = set(inspect.signature(LTX2VideoTransformer3DModel.__init__).parameters)
+    unknown = sorted(k for k in config if not k.startswith("_") and k not in known)
+    if unknown:
+        raise ValueError(
+            f"{model}: its transformer config sets {', '.join(unknown)}, which diffusers {diffusers.__version__}'s "
+            f"LTX2VideoTransformer3DModel does not know (a newer LTX-2 release than LTX-{ltx2_version(config)}): upgrade diffusers"
+        )
+
+
+def text_encoder_class(model: str, revision: Optional[str] = None) -> type:
+    """The text encoder class the repo's model_index.json names (Gemma 3, or LTX-2.5's Gemma 4);
+    another one is refused in one line."""
+    import transformers
+
+    from fv_accel.models.loading import fetch_config
+
+    index = fetch_config(model, None, revision=revision, required=False, filename="model_index.json") or {}
+    name = (index.get("text_encoder") or [None, LTX2_TEXT_ENCODERS[0]])[1]
+    if name not in LTX2_TEXT_ENCODERS:
+        raise ValueError(f"{model}: text encoder {name} is not one the LTX-2 family runs ({', '.join(LTX2_TEXT_ENCODERS)})")
+    return getattr(transformers, name)
 
 
 def audio_latent_frames(num_frames: int, frame_rate: float, audio_config: dict) -> int:
@@ -149,10 +203,8 @@ class LTX2Encoder(FamilyEncoder):
         self.vae, self.audio_vae, self.connectors = parts["vae"], parts["audio_vae"], parts["connectors"]
         if vae_tiling:
             self.vae.enable_tiling()
-        from transformers import Gemma3ForConditionalGeneration
-
         self.tokenizer, self.text_encoder = load_text_encoder(
-            model, revision=revision, torch_dtype=dtype, encoder_class=Gemma3ForConditionalGeneration
+            model, revision=revision, torch_dtype=dtype, encoder_class=text_encoder_class(model, revision)
         )
         self.text_encoder.to(self.device).eval().requires_grad_(False)
         self.text_pipeline = LTX2Pipeline(
@@ -328,6 +380,7 @@ class LTX2Student(DiffusersStudent):
                 f"models.student.train_audio: true trains with method.name finetune; {self.run_config.method.name} "
                 "trains the LTX-2 video only: set models.student.train_audio: false"
             )
+        self.check_release(st)
         self.lora_target_modules = self.default_lora_targets(config, st)
         self.audio_config = None
         if st.init_from is not None:
@@ -335,6 +388,17 @@ class LTX2Student(DiffusersStudent):
 
             self.audio_config = fetch_config(st.init_from, "audio_vae", revision=st.revision, required=False)
         self.audio_mean = self.audio_std = None
+
+    def check_release(self, st: Any) -> None:
+        """The checkpoint's own transformer config.json (the loaded model's config keeps only the keys
+        the installed class takes) holds only keys diffusers knows (`check_transformer_config`)."""
+        if st.init_from is None:
+            check_transformer_config(dict(st.transformer_config or {}), "models.student.transformer_config")
+            return
+        from fv_accel.models.loading import fetch_config
+
+        raw = fetch_config(st.init_from, st.subfolder or "transformer", revision=st.revision, required=False) or {}
+        check_transformer_config(raw, st.init_from)
 
     def after_setup(self) -> None:
         """train_audio false: the audio branch and the cross-modal layers get no gradient (so no
