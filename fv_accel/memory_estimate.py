@@ -248,6 +248,12 @@ _WAN_COMMON = dict(
 )
 _WAN_1_3B = dict(_WAN_COMMON, num_attention_heads=12, ffn_dim=8960, num_layers=30, in_channels=16, out_channels=16)
 _WAN_14B = dict(_WAN_COMMON, num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=16, out_channels=16)
+_LTX2_0 = dict(
+    _class_name="LTX2VideoTransformer3DModel", in_channels=128, out_channels=128, num_attention_heads=32,
+    attention_head_dim=128, cross_attention_dim=4096, audio_in_channels=128, audio_out_channels=128,
+    audio_num_attention_heads=32, audio_attention_head_dim=64, audio_cross_attention_dim=2048, num_layers=48,
+    caption_channels=3840,
+)
 PUBLISHED_ARCHITECTURES: dict[str, tuple[dict, tuple[int, int]]] = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": (dict(_WAN_1_3B, _class_name="WanTransformer3DModel"), (4, 8)),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": (dict(_WAN_14B, _class_name="WanTransformer3DModel"), (4, 8)),
@@ -263,14 +269,27 @@ PUBLISHED_ARCHITECTURES: dict[str, tuple[dict, tuple[int, int]]] = {
     "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers": (dict(_WAN_1_3B, _class_name="SkyReelsV2Transformer3DModel"), (4, 8)),
     # LTX-2.0 as diffusers' conversion script (scripts/convert_ltx2_to_diffusers.py, version "2.0")
     # writes it; the other keys are the class defaults that script also sets.
-    "Lightricks/LTX-2": (
+    "Lightricks/LTX-2": (_LTX2_0, (8, 32)),
+    # LTX-2.3 as that script (version "2.3") writes it: LTX-2.0's widths, gated attention, prompt
+    # modulation, split RoPE, STG's perturbed attention, no caption projection.
+    **{
+        repo: (
+            dict(
+                _LTX2_0, gated_attn=True, cross_attn_mod=True, audio_gated_attn=True, audio_cross_attn_mod=True,
+                rope_type="split", use_prompt_embeddings=False, perturbed_attn=True,
+            ),
+            (8, 32),
+        )
+        for repo in ("diffusers/LTX-2.3-Diffusers", "diffusers/LTX-2.3-Distilled-Diffusers")
+    },
+    # Kandinsky 5.0 T2V Lite 5 s (transformer/config.json of the diffusers repo; HunyuanVideo's VAE).
+    "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers": (
         dict(
-            _class_name="LTX2VideoTransformer3DModel", in_channels=128, out_channels=128, num_attention_heads=32,
-            attention_head_dim=128, cross_attention_dim=4096, audio_in_channels=128, audio_out_channels=128,
-            audio_num_attention_heads=32, audio_attention_head_dim=64, audio_cross_attention_dim=2048, num_layers=48,
-            caption_channels=3840,
+            _class_name="Kandinsky5Transformer3DModel", in_visual_dim=16, out_visual_dim=16, in_text_dim=3584,
+            in_text_dim2=768, time_dim=512, patch_size=[1, 2, 2], model_dim=1792, ff_dim=7168, num_text_blocks=2,
+            num_visual_blocks=32, axes_dims=[16, 24, 24], visual_cond=True, attention_type="regular",
         ),
-        (8, 32),
+        (4, 8),
     ),
 }
 

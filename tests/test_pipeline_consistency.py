@@ -165,6 +165,9 @@ def input_differences(theirs: dict, ours: dict, row: Optional[int] = None, ours_
             diffs[key] = float((a - b).abs().max())
         elif isinstance(value, (tuple, list)) and value and isinstance(value[0], float):
             diffs[key] = max(abs(float(x) - float(y)) for x, y in zip(value, mine))
+        elif isinstance(value, (tuple, list)) and value and torch.is_tensor(value[0]):  # per-axis positions (Kandinsky 5)
+            assert [tuple(v.shape) for v in value] == [tuple(m.shape) for m in mine], f"{key}: {value} vs {mine}"
+            diffs[key] = max(float((v.float() - m.float()).abs().max()) for v, m in zip(value, mine))
         else:
             assert value == mine, f"{key}: {value!r} vs {mine!r}"
     return diffs
@@ -189,6 +192,8 @@ def student_output(student, output: torch.Tensor) -> torch.Tensor:
     """The pipeline transformer's output in the layout the family's forward returns."""
     if student.family == "ltx_video":
         return unpack_ltx(student, output)
+    if student.family == "kandinsky5":  # channels last
+        return output.permute(0, 4, 1, 2, 3)
     return output
 
 
@@ -455,17 +460,19 @@ def ltx2_check(student, call, cond, row: int, audio_present: bool = True) -> dic
     return diffs
 
 
-@pytest.mark.parametrize("task", ["t2v", "i2v"])
-def test_ltx2(tmp_path, tiny_model_of, task):
+@pytest.mark.parametrize("name,task", [("ltx2", "t2v"), ("ltx2", "i2v"), ("ltx2_3", "t2v"), ("ltx2_3", "i2v"), ("ltx2_5", "t2v")])
+def test_ltx2(tmp_path, tiny_model_of, name, task):
     """LTX2Pipeline (text-to-video+audio: one timestep per sample for both branches) and
     LTX2ImageToVideoPipeline (first latent frame clean at timestep 0 per token, audio at the step's t):
     Gemma 3 states through the repo's connectors (video and audio sequences, registers filling the
     padding), video_coords at its frame rate and fps, audio_coords, both branches' inputs and outputs.
-    Both pipelines batch [unconditional, conditional] in one call; both rows are checked."""
+    Both pipelines batch [unconditional, conditional] in one call; both rows are checked. LTX-2.3
+    (gated attention, prompt modulation read from `sigma`, per-modality connector projections) and
+    LTX-2.5 (Gemma 4 states, no video feed-forward bias, keyframe embedding) through the same pipeline."""
     from diffusers import LTX2ImageToVideoPipeline
     from PIL import Image
 
-    model = tiny_model_of("ltx2")
+    model = tiny_model_of(name)
     pipe = stock_pipeline(model)
     call_kwargs = dict(prompt=AWKWARD, height=64, width=64, num_frames=9, num_inference_steps=2, guidance_scale=2.0,
                        max_sequence_length=64)
@@ -488,3 +495,39 @@ def test_ltx2(tmp_path, tiny_model_of, task):
         audio = float((cond.extras["audio_prediction"].float() - audio_out[0][row : row + 1].float()).abs().max())
         print(f"ltx2 {task} row {row} audio output {audio:.3g}")
         assert audio <= TOL
+
+
+# ---- Kandinsky 5 ----
+
+
+@pytest.mark.parametrize("name", ["kandinsky5", "kandinsky5_i2v"])
+def test_kandinsky5(tmp_path, tiny_model_of, name):
+    """Kandinsky5T2VPipeline and Kandinsky5I2VPipeline: Qwen2.5-VL states unpadded (no text mask) with
+    text_rope_pos over them, CLIP's pooled output, channels-last latents with the zero condition latent
+    and the first-frame mask, visual RoPE positions and the resolution's scale factor; the
+    unconditional branch runs the pipeline's default negative prompt, which caption dropout trains.
+    Under the I2V pipeline the first latent frame is the image's clean latent at the step's timestep;
+    the pipeline samples the VAE posterior, preprocessing stores its mode: training's input frame 0 is
+    the pipeline's, and the two latents' difference is reported."""
+    from PIL import Image
+
+    model = tiny_model_of(name)
+    pipe = stock_pipeline(model)
+    call = dict(prompt=AWKWARD, height=64, width=64, num_frames=17, num_inference_steps=2, guidance_scale=2.0)
+    frames = clip_frames(17, 64) if name.endswith("_i2v") else None
+    if frames is not None:
+        call["image"] = Image.fromarray(frames[0])
+    cond_call, uncond_call = record_pipeline(pipe, {"transformer": pipe.transformer}, 2, **call)
+    kept, dropped, _ = loader_batches(tmp_path, model, frames)
+    student = student_of(model)
+    cond = student.build_conditioning(kept)
+    x_t = cond_call[1]["hidden_states"][..., : student.in_channels].permute(0, 4, 1, 2, 3)
+    t = cond_call[1]["timestep"]
+    if frames is not None:
+        assert cond.clean_frames == 1 and bool(cond_call[1]["hidden_states"][:, 0, ..., -1].eq(1).all())
+        sampled = float((x_t[:, :, :1] - student.clean_latents(kept)[:, :, :1]).abs().max())
+        print(f"kandinsky5 condition latent: posterior sample - mode {sampled:.3g}")
+        # As the method gives it: per frame, the clean condition frame at 0.
+        t = torch.cat([t.new_zeros(1, 1), t[:, None].expand(1, x_t.shape[2] - 1)], dim=1)
+    check_call(student, cond_call, x_t, t, cond)
+    check_call(student, uncond_call, x_t, t, student.build_conditioning(dropped))

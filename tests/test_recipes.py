@@ -58,6 +58,11 @@ FAMILY_RECIPES = {
     "hunyuan_video_15_480p_t2v_sft": "test_family_hunyuan_video_15.py",
     "ltx2_t2v_lora": "test_family_ltx2.py",
     "ltx2_t2av_lora": "test_family_ltx2.py",
+    "ltx2_3_t2v": "test_family_ltx2.py",
+    "ltx2_3_t2v_lora": "test_family_ltx2.py",
+    "kandinsky5_t2v_lite_lora": "test_family_kandinsky5.py",
+    "kandinsky5_t2v_lite_sft": "test_family_kandinsky5.py",
+    "kandinsky5_t2v_lite_dmd2": "test_family_kandinsky5.py",
 }
 
 
