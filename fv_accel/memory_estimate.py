@@ -291,6 +291,17 @@ PUBLISHED_ARCHITECTURES: dict[str, tuple[dict, tuple[int, int]]] = {
         ),
         (4, 8),
     ),
+    # MiniMax-H3 (33B) as diffusers' conversion script (scripts/convert_minimax_h3_to_diffusers.py) writes its
+    # transformer/config.json; its video VAE compresses 16x in space and 17 n + 5 frames to 5 n + 2 (about 4x in time).
+    "MiniMaxAI/MiniMax-H3": (
+        dict(
+            _class_name="MiniMaxH3Transformer3DModel", num_attention_heads=56, attention_head_dim=128, hidden_size=5376,
+            num_layers=50, num_refiner_layers=2, ffn_dim=14336, in_channels=24, audio_in_channels=32, patch_size=[1, 2, 2],
+            text_dim=5120, freq_dim=256, time_embed_hidden_dim=5376, time_embed_dim=2688, rope_freq_dim=16,
+            rope_theta=10000.0, norm_eps=1e-05, qk_norm_eps=1e-05, final_norm_eps=1e-05,
+        ),
+        (4, 16),
+    ),
 }
 
 

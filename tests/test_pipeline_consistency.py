@@ -531,3 +531,54 @@ def test_kandinsky5(tmp_path, tiny_model_of, name):
         t = torch.cat([t.new_zeros(1, 1), t[:, None].expand(1, x_t.shape[2] - 1)], dim=1)
     check_call(student, cond_call, x_t, t, cond)
     check_call(student, uncond_call, x_t, t, student.build_conditioning(dropped))
+
+
+# ---- MiniMax-H3 (video with its sound) ----
+
+
+def test_minimax_h3(tmp_path, tiny_model_of):
+    """MiniMaxH3ModularPipeline (t2va): the Qwen3-VL prompt states unpadded, the packed layout
+    (position_ids in float64, token tags, video / audio / text row indices), the patchified video
+    rows, the channel-major audio rows, and the two modalities' timesteps at a step inside the loop
+    (video shift 12, audio shift 3: training's audio sigma, mapped from the video's, is the
+    pipeline's); the video and audio outputs (training's eps - x0 is minus the pipeline's velocity)."""
+    from diffusers import ModularPipeline
+
+    from fv_accel.models.minimax_h3 import TextTokenTypes, unpatchify
+
+    model = tiny_model_of("minimax_h3")
+    pipe = ModularPipeline.from_pretrained(str(model))
+    pipe.load_components(names=[n for n in pipe.pretrained_component_names if n != "processor"])
+    pipe.update_components(processor=TextTokenTypes())  # the tiny repo's (transformers needs torchvision for it)
+    seen: list = []
+    # Cloned: the scheduler step writes the latents in place, under the views the pipeline passed.
+    hook = pipe.transformer.register_forward_hook(
+        lambda m, a, k, o: seen.append(({n: v.clone() if torch.is_tensor(v) else v for n, v in k.items()}, o)),
+        with_kwargs=True,
+    )
+    try:
+        pipe(prompt=AWKWARD, height=32, width=32, num_frames=124, num_inference_steps=4, generator=torch.Generator().manual_seed(0))
+    finally:
+        hook.remove()
+    assert len(seen) == 3
+    kept, dropped, _ = loader_batches(tmp_path, model)
+    student = student_of(model, **{"callbacks.validation.enable": False})  # the family makes no sample videos
+    cond = student.build_conditioning(kept)
+    for theirs, (video_out, audio_out) in seen[1:]:
+        video_t = theirs["timestep"][theirs["timestep_indices"][theirs["video_indices"][0]]]
+        audio_t = theirs["timestep"][theirs["timestep_indices"][theirs["audio_indices"][0]]]
+        assert 0.0 < float(video_t) < float(audio_t) < 1.0  # in step, the audio ahead (its shift is smaller)
+        sigma = (1.0 - video_t).reshape(1)
+        frames, side = 37, 8  # 124 frames -> 5 * 7 + 2 latent frames; 32 px / 4
+        x_t = unpatchify(theirs["hidden_states"], 24, frames, side, side, (1, 2, 2))
+        cond.extras["audio_noisy"] = theirs["audio_hidden_states"]
+        cond.extras["audio_sigmas"] = student.audio_sigmas(sigma)
+        calls, out = record_forward(student, x_t, sigma * 1000.0, cond)
+        (ours,) = calls
+        diffs = input_differences(theirs, ours)
+        diffs["audio_timestep"] = float((1.0 - cond.extras["audio_sigmas"][0] - audio_t).abs())
+        diffs["output"] = float((out + unpatchify(video_out, 24, frames, side, side, (1, 2, 2))).abs().max())
+        diffs["audio_output"] = float((cond.extras["audio_prediction"] + audio_out).abs().max())
+        print(f"minimax_h3 {diffs}")
+        assert max(diffs.values()) <= 1e-6, diffs
+        assert ours["position_ids"].dtype == torch.float64 and int(ours["text_indices"].numel()) == int(kept["text_attention_mask"].sum())

@@ -63,6 +63,7 @@ FAMILY_RECIPES = {
     "kandinsky5_t2v_lite_lora": "test_family_kandinsky5.py",
     "kandinsky5_t2v_lite_sft": "test_family_kandinsky5.py",
     "kandinsky5_t2v_lite_dmd2": "test_family_kandinsky5.py",
+    "minimax_h3_t2va_lora": "test_family_minimax_h3.py",
 }
 
 

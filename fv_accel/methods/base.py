@@ -264,6 +264,7 @@ class TrainingMethod:
         """`noise_audio` with the audio noise given."""
         audio = tb.extras["audio"]
         sigma = tb.sigmas if tb.sigmas.ndim == 1 else tb.sigmas.amax(dim=1)
+        sigma = self.student.audio_sigmas(sigma)  # the audio's own level at this step (MiniMax-H3's shift)
         sigma = torch.where(audio.present, sigma, torch.ones_like(sigma))
         s = sigma.view(-1, *([1] * (audio.latents.ndim - 1)))
         tb.extras["audio_noise"] = noise

@@ -453,6 +453,11 @@ class ModelBase:
         `AudioLatents`), else None."""
         return None
 
+    def audio_sigmas(self, video_sigmas: torch.Tensor) -> torch.Tensor:
+        """The sigma the audio is noised at beside video sigmas [B]: the same level (LTX-2); a family
+        whose two schedules differ (MiniMax-H3) maps it."""
+        return video_sigmas
+
     def sample_sound(self) -> Any:
         """The sound of the last `sample_latents` sample, (float waveform [channels, samples], sample
         rate), for families that make sound with the picture; None otherwise."""
