@@ -103,9 +103,10 @@ def train(tmp_path: Path, minimax, **extra) -> Path:
     return tmp_path / "out"
 
 
-def lora_deltas(out: Path, model: Path) -> dict[str, float]:
+def lora_deltas(out: Path, model: Path) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """max |delta W| per base weight of the transformer from the run's LoRA file, loaded by the
-    modular pipeline's own load_lora_weights (MiniMaxH3LoraLoaderMixin), which then generates."""
+    modular pipeline's own load_lora_weights (MiniMaxH3LoraLoaderMixin), which then generates; and
+    the fused weights."""
     pipe = modular_pipeline(model)
     before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
     pipe.load_lora_weights(str(out))
@@ -114,14 +115,14 @@ def lora_deltas(out: Path, model: Path) -> dict[str, float]:
     after = pipe.transformer.state_dict()
     video, audio = generate(pipe)
     assert tuple(video.shape) == (1, 124, 3, SIDE, SIDE) and bool(torch.isfinite(audio).all())
-    return {k: float((after[k] - v).abs().max()) for k, v in before.items()}
+    return {k: float((after[k] - v).abs().max()) for k, v in before.items()}, after
 
 
 def test_video_only_lora_keeps_every_audio_weight(tmp_path, minimax):
     out = train(tmp_path, minimax)
     keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
     assert keys and not [k for k in keys if "audio" in k]
-    deltas = lora_deltas(out, minimax[0])
+    deltas, _ = lora_deltas(out, minimax[0])
     audio = {k: d for k, d in deltas.items() if "audio" in k}
     video = {k: d for k, d in deltas.items() if "audio" not in k}
     print(f"video-only LoRA: {len(audio)} audio weights, max |delta| {max(audio.values())}; "
@@ -134,11 +135,21 @@ def test_joint_lora_changes_both(tmp_path, minimax):
     out = train(tmp_path, minimax, **{"models.student.train_audio": True})
     keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
     assert [k for k in keys if "audio_proj_in" in k] and [k for k in keys if "audio_proj_out" in k]
-    deltas = lora_deltas(out, minimax[0])
+    deltas, fused = lora_deltas(out, minimax[0])
     audio = max(d for k, d in deltas.items() if k.startswith("audio_proj_"))
     video = max(d for k, d in deltas.items() if k.endswith("attn.to_q.weight"))
     print(f"joint LoRA: max |delta| audio projections {audio:.3g}, attention to_q {video:.3g}")
     assert audio > 0 and video > 0
+    # The merged export holds the weights the pipeline's own fuse gives, audio projections included.
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from fv_accel.export import export_merged, find_source
+
+    (written,) = export_merged(find_source(out), tmp_path / "merged")
+    merged = MiniMaxH3Transformer3DModel.from_pretrained(str(written)).state_dict()
+    assert sorted(merged) == sorted(fused)
+    for k in fused:
+        torch.testing.assert_close(merged[k], fused[k], rtol=0, atol=1e-5)
 
 
 def test_the_recipe_dry_runs_offline_with_a_memory_estimate(capsys, monkeypatch):
