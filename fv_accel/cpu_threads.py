@@ -77,8 +77,8 @@ def use_cpu_cores(acc: Any, *, launcher_default: Optional[bool] = None) -> None:
     multi-core machine with one process is reported with the option that changes it."""
     if acc.device.type != "cpu":
         return
-    cores = machine_cores()
-    threads = max(1, cores // local_processes(acc))
+    cores, processes = machine_cores(), local_processes(acc)
+    threads = max(1, cores // processes)
     if launcher_default is None:
         launcher_default = launcher_set_default()
     if launcher_default and torch.get_num_threads() < threads:
@@ -87,7 +87,7 @@ def use_cpu_cores(acc: Any, *, launcher_default: Optional[bool] = None) -> None:
             logger.info(
                 "accelerate launch set OMP_NUM_THREADS=%s (no thread option given): each process computes on %d "
                 "threads (%d cores / %d processes); OMP_NUM_THREADS or %s sets another number",
-                os.environ.get("OMP_NUM_THREADS", "unset"), threads, cores, local_processes(acc), THREAD_OPTION,
+                os.environ.get("OMP_NUM_THREADS", "unset"), threads, cores, processes, THREAD_OPTION,
             )
         return
     if acc.num_processes == 1 and torch.get_num_threads() == 1 and cores > 1:

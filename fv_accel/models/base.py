@@ -41,16 +41,22 @@ def state_dict_sha256(module: torch.nn.Module) -> str:
     return whole.hexdigest()
 
 
-def reshard_after_forward(module: torch.nn.Module, args: tuple, output: Any) -> None:
-    """A forward hook for a frozen role's FSDP2 root: every FSDP2 unit of it back to its shards.
+def reshard_fsdp_units(module: torch.nn.Module) -> None:
+    """Every FSDP2 unit of `module` back to its shards (nothing for a module FSDP2 does not wrap).
     FSDP2 keeps a root's parameters gathered from its forward to its backward (and every unit's
-    with reshard_after_forward false), and a frozen role's forward has no backward of its own;
-    a backward that does pass through it gathers them again (FSDP2's pre-backward hook)."""
+    with reshard_after_forward false): after a forward that no backward follows, a frozen role's,
+    they stay gathered until this. A backward that does pass through gathers them again (FSDP2's
+    pre-backward hook)."""
     from torch.distributed.fsdp import FSDPModule
 
     for part in module.modules():
         if isinstance(part, FSDPModule):
             part.reshard()
+
+
+def reshard_after_forward(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    """A forward hook for a frozen role's FSDP2 root: `reshard_fsdp_units` after each forward."""
+    reshard_fsdp_units(module)
 
 
 @dataclass(frozen=True)

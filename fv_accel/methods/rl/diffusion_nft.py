@@ -40,7 +40,7 @@ import torch
 from fv_accel.config import ConfigError, nft_train_timesteps
 from fv_accel.methods.base import LogScalar, TrainingMethod
 from fv_accel.methods.rl.sampling import CLEAN_CONDITION, k_repeat_rows, sample_policy, sampling_schedule, with_clean_condition
-from fv_accel.models.base import Conditioning, ModelBase, TrainingBatch
+from fv_accel.models.base import Conditioning, ModelBase, TrainingBatch, reshard_fsdp_units
 from fv_accel.schedulers import randn
 from fv_accel.seeding import derived_seed
 
@@ -694,11 +694,7 @@ def sharded_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
     parameters of a root module (and of groups wrapped with reshard_after_forward False) gathered
     after a forward that no backward follows, a frozen role's: plain tensors that writes would not
     reach the shards through. Resharding first makes every parameter its shard again."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    reshard_fsdp_units(module)
     return list(module.parameters())
 
 
