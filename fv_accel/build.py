@@ -750,7 +750,7 @@ def _build_student_and_method(cfg: RunConfig, acc: Any) -> tuple[Any, Any]:
 
 
 # A role's `trainable` when the recipe leaves it null.
-ROLE_TRAINABLE = {"teacher": False, "critic": True, "old": False, "reference": False}
+ROLE_TRAINABLE = {"teacher": False, "critic": True, "ema": False, "old": False, "reference": False}
 
 
 def check_no_lora_run_roles(cfg: RunConfig) -> None:

@@ -148,10 +148,21 @@ class ModelsConfig:
     # student both are adapters over the student's one frozen base (no section of their own).
     old: Optional[StudentConfig] = None
     reference: Optional[StudentConfig] = None
+    # Causal consistency distillation (method.name causal_cd): the frozen EMA of the student, the
+    # target's model (FastVideo's role `ema`); with no model of its own, the teacher's.
+    ema: Optional[StudentConfig] = None
 
 
-# The methods that distil a teacher into the student (roles student, teacher, critic).
-DISTILLATION_METHODS = ("dmd2", "self_forcing")
+# The methods that distil a teacher into the student with a trained critic (roles student, teacher, critic).
+DISTILLATION_METHODS = ("dmd2", "self_forcing", "anyflow")
+# The roles beside the student each teacher-led method takes: the teacher first (required), then
+# roles that start from the teacher's model when they name none of their own.
+TEACHER_ROLES = {
+    **{name: ("teacher", "critic") for name in DISTILLATION_METHODS},
+    "kd": ("teacher",),
+    "kd_causal": ("teacher",),
+    "causal_cd": ("teacher", "ema"),
+}
 # The reward-training methods (roles student, old, reference).
 REWARD_METHODS = ("diffusion_nft",)
 # What a role inherits from the teacher when it names no model of its own.
@@ -161,7 +172,8 @@ INHERITED_MODEL_KEYS = ("init_from", "model_class", "transformer_config", "revis
 
 @dataclass
 class MethodConfig:
-    name: Literal["finetune", "dfsft", "tfsft", "dmd2", "self_forcing", "diffusion_nft"] = "finetune"
+    name: Literal["finetune", "dfsft", "tfsft", "dmd2", "self_forcing", "diffusion_nft", "kd", "kd_causal", "causal_cd",
+                  "anyflow_pretrain", "anyflow"] = "finetune"
     chunk_size: Any = None  # parsed by DiffusionForcingSFTMethod (REFERENCE.md section 4)
     min_timestep_ratio: Any = 0.0
     max_timestep_ratio: Any = 1.0
@@ -1095,13 +1107,15 @@ def resolve_roles(cfg: RunConfig, data: dict, source: str) -> None:
             f"{source}: key 'models.{reward_roles[0]}' is set but method.name {cfg.method.name!r} has no such role "
             f"(roles old and reference belong to {', '.join(REWARD_METHODS)}): remove the section"
         )
-    if cfg.method.name not in DISTILLATION_METHODS:
-        extra = [r for r in ("teacher", "critic") if getattr(models, r) is not None]
-        if extra:
-            raise ConfigError(
-                f"{source}: key 'models.{extra[0]}' is set but method.name {cfg.method.name!r} trains the student "
-                f"alone (roles teacher and critic belong to {', '.join(DISTILLATION_METHODS)}): remove the section"
-            )
+    roles = TEACHER_ROLES.get(cfg.method.name, ())
+    extra = [r for r in ("teacher", "critic", "ema") if r not in roles and getattr(models, r) is not None]
+    if extra:
+        owners = sorted(name for name, taken in TEACHER_ROLES.items() if extra[0] in taken)
+        raise ConfigError(
+            f"{source}: key 'models.{extra[0]}' is set but method.name {cfg.method.name!r} has no such role "
+            f"(role {extra[0]} belongs to {', '.join(owners)}): remove the section"
+        )
+    if not roles:
         return
     if models.teacher is None:
         raise ConfigError(
@@ -1109,9 +1123,10 @@ def resolve_roles(cfg: RunConfig, data: dict, source: str) -> None:
             "models.teacher.init_from (a Hub id, a model folder or a run folder)"
         )
     given = data.get("models") or {}
-    if models.critic is None:
-        models.critic = StudentConfig()
-    for role in ("student", "critic"):
+    for role in roles[1:]:
+        if getattr(models, role) is None:
+            setattr(models, role, StudentConfig())
+    for role in ("student", *roles[1:]):
         inherit_model(getattr(models, role), given.get(role) or {}, models.teacher, INHERITED_MODEL_KEYS)
 
 
@@ -1186,14 +1201,14 @@ def check_role_runs(cfg: RunConfig) -> None:
     """A role's `init_from` that names the output folder of one of the built-in recipes, before that
     run exists (the tiny teacher of configs/tiny_dmd2.yaml): a ConfigError giving the command that
     makes it, instead of a Hub lookup of a folder name."""
-    for role in ("student", "teacher", "critic", "old", "reference"):
+    for role in ("student", "teacher", "critic", "ema", "old", "reference"):
         section = getattr(cfg.models, role)
         if section is None or not section.init_from or Path(section.init_from).exists():
             continue
         maker = recipe_writing(section.init_from)
         if maker is not None:
             recipe, method = maker
-            script = {"dfsft": "dfsft", "tfsft": "dfsft"}.get(method, method)
+            script = {"tfsft": "dfsft", "kd_causal": "kd"}.get(method, method)
             raise ConfigError(
                 f"models.{role}.init_from '{section.init_from}' does not exist yet: it is the output of "
                 f"configs/{recipe.name}; make it first with `accelerate launch train_{script}.py --config configs/{recipe.name}`"
@@ -1427,7 +1442,8 @@ def parse_cli(argv: list[str], method: str) -> tuple[RunConfig, dict]:
         config_path = str(default_recipe(method))
     # The entry script decides the method family; a recipe may name it (or TFSFT, a DFSFT variant).
     allowed = {"finetune": ("finetune",), "dfsft": ("dfsft", "tfsft"), "dmd2": ("dmd2",), "self_forcing": ("self_forcing",),
-               "diffusion_nft": ("diffusion_nft",)}[method]
+               "diffusion_nft": ("diffusion_nft",), "kd": ("kd", "kd_causal"), "causal_cd": ("causal_cd",),
+               "anyflow_pretrain": ("anyflow_pretrain",), "anyflow": ("anyflow",)}[method]
     named = overrides.get("method.name") or (_read_yaml(Path(config_path)).get("method") or {}).get("name")
     if named is None:
         overrides["method.name"] = method
