@@ -105,6 +105,16 @@ class StudentConfig:
     # Audio-and-video families (LTX-2; FastVideo's name): false trains the video branch only (the
     # audio branch and the cross-modal layers frozen), true trains picture and sound together.
     train_audio: bool = False
+    # ---- AnyFlow (FastVideo's arch-config key names; read by AnyFlowStudent, fv_accel/models/anyflow.py) ----
+    # Make the AnyFlow flow-map student from the Wan 2.1 transformer of init_from / transformer_config:
+    # its weights carried over by name, the delta (r) embedder a copy of the time embedder.
+    anyflow_from_wan: bool = False
+    # How the r embedding joins the t embedding: "gated", (1 - g) * emb(t) + g * emb(r or t - r), the
+    # only form diffusers' AnyFlow transformers compute ("additive", FastVideo's other, is refused).
+    # null: the loaded AnyFlow checkpoint's own values; from Wan, gated / 0.25 / r (the released checkpoints').
+    r_embedder_fusion: Optional[Literal["gated", "additive"]] = None
+    r_embedder_gate_value: Optional[float] = None
+    r_embedder_deltatime_type: Optional[Literal["r", "t-r"]] = None
 
     def check(self) -> None:
         if self.storage_dtype is not None and not self.lora.enable:
@@ -236,6 +246,51 @@ class MethodConfig:
     decay_type: Literal[0, 1, 2] = 1
     ema: "NFTEmaConfig" = field(default_factory=lambda: NFTEmaConfig())
     validation: "NFTValidationConfig" = field(default_factory=lambda: NFTValidationConfig())
+    # ---- Causal consistency distillation (FastVideo's key names; read by CausalConsistencyDistillationMethod) ----
+    # The teacher's classifier-free guidance in its one Euler step: uncond + s * (cond - uncond).
+    guidance_scale: float = 3.0
+    # Steps of the consistency schedule (FastVideo's SelfForcingFlowMatchScheduler at the student's
+    # flow_shift, else 5); each step trains one pair of neighbouring steps of it.
+    discrete_cd_N: int = 48
+    # The EMA target: ema <- ema_decay * ema + (1 - ema_decay) * student after each optimizer step
+    # numbered >= ema_start_step (1-based); before that the EMA stays the run's starting weights.
+    ema_decay: float = 0.99
+    ema_start_step: int = 200
+    # ---- AnyFlow (FastVideo's key names; read by AnyFlowPretrainMethod and AnyFlowMethod) ----
+    # Pretraining: the batch's first diffusion_ratio share trains r = t, the next consistency_ratio
+    # share r = 0, the rest free (t, r) pairs; a 0 is honoured (FastVideo reads 0 as its default).
+    diffusion_ratio: float = 0.5
+    consistency_ratio: float = 0.25
+    # The central difference's step in absolute timesteps (an integer, as FastVideo parses it).
+    epsilon: int = 5
+    # The per-sample loss weight over t / N, rescaled to sum to N over the batch.
+    weight_type: Literal["uniform", "gaussian", "beta08"] = "beta08"
+    # Classifier-free guidance fused into the trained prediction (1.0: none; the sample then needs none).
+    fuse_guidance_scale: float = 1.0
+    # On-policy: the rollout's steps at most, its timesteps (absolute, descending, ending at 0;
+    # null: dmd_denoising_steps and a final 0), and r = the next timestep (mean velocity) or r = t.
+    # null: 4 for AnyFlow, len(t_list) - 1 for KD.
+    student_sample_steps: Optional[int] = None
+    t_list_override: Optional[list[float]] = None
+    use_mean_velocity: bool = True
+    # The r at which teacher and critic score the student's sample: their x0 is the jump to r = 0,
+    # so only 0 (or null) is accepted (FastVideo parses the key and never reads it).
+    dmd_score_r_value: Optional[float] = None
+    # ---- KD (FastVideo's key names; read by KDMethod and KDCausalMethod, with student_sample_steps above:
+    # len(t_list) - 1) ----
+    # The student's timesteps (integers, descending); every entry but the last must be one of the
+    # teacher's cached ODE timesteps (48 steps at shift 5: [995, 937, 833, 625, 0]).
+    t_list: Optional[list[int]] = None
+    # The folder of the teacher's trajectories (fv_accel/methods/knowledge_distillation/cache.py),
+    # written on first use or by `python -m fv_accel.kd_cache RECIPE`.
+    teacher_path_cache: Optional[str] = None
+    # The teacher's ODE: its Euler steps and its classifier-free guidance, uncond + s * (cond - uncond).
+    teacher_inference_steps: int = 48
+    teacher_guidance_scale: float = 1.0
+    # Which teacher states a sample file keeps: all, or only the t_list ones (what training reads).
+    kd_cache_keep: Literal["all", "t_list"] = "all"
+    # kd_causal: latent frames per block sharing a step index (null: the student's block size, method.chunk_size).
+    num_frames_per_block: Optional[int] = None
 
     def check(self) -> None:
         check_descending("dmd_denoising_steps", self.dmd_denoising_steps, "e.g. [1000, 750, 500, 250]")

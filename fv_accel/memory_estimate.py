@@ -621,6 +621,12 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
         _add_reward_roles(cfg, est, env)
         return est
     est = _estimate_role(cfg, env)
+    if cfg.method.name == "causal_cd":
+        _add_frozen_roles(cfg, est, env, ("teacher", "ema"), "causal_cd")
+        return est
+    if cfg.method.name in ("kd", "kd_causal"):  # the teacher, whole on each process while it writes the KD cache
+        _add_frozen_roles(cfg, est, env, ("teacher",), cfg.method.name)
+        return est
     if cfg.method.name not in DISTILLATION_METHODS:
         return est
     described = []
@@ -639,6 +645,23 @@ def estimate_memory(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> 
     if cfg.method.name == "self_forcing":
         _add_kv_cache(cfg, est)
     return est
+
+
+def _add_frozen_roles(cfg: RunConfig, est: MemoryEstimate, env: Optional[Mapping[str, str]], roles: tuple[str, ...],
+                      method: str) -> None:
+    """Frozen whole-model roles beside the student (causal CD's teacher and EMA): their parameters only."""
+    from fv_accel.config import role_config
+
+    counted = []
+    for role in roles:
+        if role == "ema" and cfg.models.student.lora.enable:  # a second adapter over the student's base
+            est.parameters += est.census.trainable_bytes
+            counted.append(f"frozen ema adapter {est.census.trainable:,} parameters")
+            continue
+        other = _estimate_role(role_config(cfg, role), env)
+        est.parameters += other.parameters
+        counted.append(f"frozen {role} {other.census.total:,} parameters")
+    est.notes.append(f"{method}: the student's figures plus the " + " and the ".join(counted) + " (no gradient, no optimizer state)")
 
 
 def _add_reward_roles(cfg: RunConfig, est: MemoryEstimate, env: Optional[Mapping[str, str]]) -> None:
@@ -939,8 +962,13 @@ def format_estimate(est: MemoryEstimate, cfg: RunConfig) -> list[str]:
 
 def dry_run_lines(cfg: RunConfig, env: Optional[Mapping[str, str]] = None) -> list[str]:
     """The estimate as YAML comment lines (the dry-run's output stays a valid recipe)."""
+    extra: list[str] = []
+    if cfg.method.name in ("kd", "kd_causal"):  # the teacher-trajectory cache on disk
+        from fv_accel.methods.knowledge_distillation.cache import dry_run_lines as kd_cache_lines
+
+        extra = kd_cache_lines(cfg)
     try:
         est = estimate_memory(cfg, env)
     except EstimateUnavailable as err:
-        return [f"# memory estimate: {err}"]
-    return format_estimate(est, cfg)
+        return [f"# memory estimate: {err}", *extra]
+    return format_estimate(est, cfg) + extra
