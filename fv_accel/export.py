@@ -133,8 +133,14 @@ def _base_from_folder(folder: Path) -> dict[str, Any]:
                     "transformer_config": student.get("transformer_config"),
                     "expert": student.get("expert"),
                     "vsa": _vsa_from_config(run_config.get("training", {}).get("vsa") or {}),
+                    # An AnyFlow student made from a Wan transformer (fv_accel/models/anyflow.py).
+                    **({k: student.get(k) for k in ANYFLOW_BASE_KEYS} if student.get("anyflow_from_wan") else {}),
                 }
     return {}
+
+
+# The recipe keys that rebuild an AnyFlow student made from Wan (`models.student.anyflow_from_wan`).
+ANYFLOW_BASE_KEYS = ("anyflow_from_wan", "causal", "r_embedder_gate_value", "r_embedder_deltatime_type")
 
 
 def _vsa_from_config(vsa: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -205,6 +211,13 @@ def _transformer_class(st) -> tuple[type, dict]:
     """(class, config) of the base transformer without loading its weights."""
     from fv_accel.models.loading import fetch_config
 
+    if getattr(st, "anyflow_from_wan", False):  # the AnyFlow transformer made from the run's Wan base
+        import dataclasses
+
+        from fv_accel.models.anyflow import transformer_class_of_wan
+
+        return transformer_class_of_wan(_transformer_class(dataclasses.replace(st, anyflow_from_wan=False))[1], st)
+
     if st.init_from is None:
         if not st.transformer_config:
             raise ExportError("the run's base is unknown: pass --base MODEL (Hub id or folder)")
@@ -250,12 +263,19 @@ def export_diffusers(src: ExportSource, out: Path, stage: Stage = contextlib.nul
         with stage("copying the transformer"):
             written = []
             # A few-step student's scheduler (DMD2) goes with it: the stock pipeline samples with it.
-            for sub, folder in (("transformer", src.transformer_dir), ("scheduler", src.transformer_dir.parent / "scheduler")):
+            run = src.transformer_dir.parent
+            parts = [("transformer", src.transformer_dir), ("scheduler", run / "scheduler")]
+            if (run / "model_index.json").is_file():  # a run folder that is a pipeline folder (AnyFlow)
+                parts += [(sub, run / sub) for sub in ("vae", "text_encoder", "tokenizer")]
+            for sub, folder in parts:
                 target = out / sub
                 if folder.is_dir() and target.resolve() != folder.resolve():
                     shutil.copytree(folder, target, dirs_exist_ok=True)
                 if folder.is_dir():
                     written.append(target)
+            if (run / "model_index.json").is_file():
+                shutil.copyfile(run / "model_index.json", out / "model_index.json")
+                written.append(out / "model_index.json")
         return written
     # A full run's Accelerate checkpoint: rebuild the module from the config, load, save_pretrained.
     from safetensors.torch import load_file

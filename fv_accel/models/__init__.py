@@ -45,6 +45,8 @@ def family_of(cfg) -> type:
     from fv_accel.models.loading import ModelLoadError, fetch_config
 
     st = cfg.models.student
+    if getattr(st, "anyflow_from_wan", False):  # a Wan transformer made into an AnyFlow flow map
+        return FAMILIES["anyflow_far" if st.causal and "anyflow_far" in FAMILIES else "anyflow"]
     if st.model_class != "auto":
         for family in FAMILIES.values():
             if st.model_class in family.transformer_classes:
