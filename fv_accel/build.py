@@ -287,6 +287,20 @@ def output_of_its_own(module: torch.nn.Module, args: tuple, output: Any) -> Any:
     return None
 
 
+def fit_fsdp2_wrap_classes(plugin, model) -> None:
+    """Each role is sharded block by block over its own blocks: Accelerate keeps the block class names
+    it found in the first model it prepared on the plugin, which a role of another family (the Wan
+    teacher and critic of an AnyFlow student) does not have; such a role gets its own
+    `_no_split_modules` instead (names configured in the launch config stay where the model has them)."""
+    present = {type(module).__name__ for module in model.modules()}
+    names = plugin.transformer_cls_names_to_wrap
+    if names and all(name in present for name in names):
+        return
+    own = [name for name in getattr(model, "_no_split_modules", None) or [] if name in present]
+    if names and own:
+        plugin.transformer_cls_names_to_wrap = own
+
+
 def configure_fsdp2(plugin, mixed_precision: str, student) -> None:
     """FSDP2 settings that follow from the run: low-precision compute with fp32 gradient
     reduction, and one activation-checkpointing mechanism, not two."""
@@ -307,6 +321,7 @@ def configure_fsdp2(plugin, mixed_precision: str, student) -> None:
     if policy is not None and policy.param_dtype is not None and not policy.cast_forward_inputs:
         student.input_dtype = policy.param_dtype
     model = student.transformer
+    fit_fsdp2_wrap_classes(plugin, model)
     # Registered before `fully_shard` adds its own hook, so FSDP2 sees the copies.
     model.register_forward_hook(output_of_its_own)
     if plugin.activation_checkpointing and not plugin.activation_checkpointing_offload:
@@ -521,7 +536,10 @@ def build_from_config(
     cfg = path_or_dict if isinstance(path_or_dict, RunConfig) else load_config(path_or_dict, overrides)
     # Everything that can be wrong with the recipe, the data or the output folder is checked before
     # anything is written to the output folder.
-    check_no_lora_run_roles(cfg)  # before any role's model is read
+    from fv_accel.config import check_role_runs
+
+    check_role_runs(cfg)  # a chain's missing start run: the command that makes it, before any role's model is read
+    check_no_lora_run_roles(cfg)
     resume, resume_meta = _resume_point(cfg)
     acc = accelerator or build_accelerator(cfg)
     _check_engine(cfg, acc, resume, resume_meta)
@@ -611,7 +629,7 @@ def _prepare_data_source(cfg: RunConfig, acc: Any) -> str:
 
 
 # Methods that noise the data's own latents: a text-only dataset (prompts alone) cannot feed them.
-METHODS_NEEDING_LATENTS = ("finetune", "dfsft", "tfsft")
+METHODS_NEEDING_LATENTS = ("finetune", "dfsft", "tfsft", "anyflow_pretrain")
 
 
 def check_method_takes_data(cfg: RunConfig, data_path: str) -> None:
@@ -735,9 +753,6 @@ def _build_student_and_method(cfg: RunConfig, acc: Any) -> tuple[Any, Any]:
 
     # Identical initial weights on every rank for inline (random-init) students. Seeded here, after
     # the data: building the tiny dataset on a first run reseeds the global RNG.
-    from fv_accel.config import check_role_runs
-
-    check_role_runs(cfg)
     set_seed(cfg.training.data.seed)
     student = build_student(cfg)
     student.attach_accelerator(acc)
@@ -791,7 +806,9 @@ def check_role_fits_student(name: str, role: Any, student: Any, where: str) -> N
     """A role works on the student's noisy latents and text embeddings: one of another family, other
     latent channels or another text width is refused in one line naming models.<role> and both values."""
     fix = f"give models.{name} a model of the student's family, latent space and text encoder"
-    if role.family != student.family:
+    # A family whose teacher and critic may be of another family on the same latents and text
+    # encoder names them in `role_families` (an AnyFlow student distilled from a Wan teacher).
+    if role.family != student.family and role.family not in getattr(student, "role_families", ()):
         raise ConfigError(
             f"models.{name}: '{where}' is of the {role.family} family, the student of the {student.family} family: "
             f"the {name} works on the student's latents and text embeddings; {fix}"
@@ -832,7 +849,7 @@ def build_other_roles(cfg: RunConfig, acc: Any, student: Any = None) -> dict[str
         set_seed(cfg.training.data.seed)
         family = family_of(role_cfg)
         where = section.init_from or f"models.{name}.transformer_config"
-        if student is not None and family.family != student.family:
+        if student is not None and family.family != student.family and family.family not in getattr(student, "role_families", ()):
             check_role_fits_student(name, family, student, where)  # before its weights are loaded
         model = family(role_cfg, trainable=trainable)
         if student is not None:
@@ -863,6 +880,8 @@ def _build_loader(cfg: RunConfig, acc: Any, data_path: str, student: Any, method
     from fv_accel.validation import sampling_model_source
 
     method.model_source = sampling_model_source(cfg, data_path)
+    # Where a student that saves a whole pipeline folder (AnyFlow) takes its VAE and text encoder from.
+    student.model_source = method.model_source
     check_data_fits_model(loader.dataset, student, method)
     check_latent_stats(student, cfg, data_path)
     return heldout_rows, loader

@@ -32,9 +32,10 @@ from fv_accel.config import ConfigError, RunConfig, _build_dataclass
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TRAIN_SCRIPTS = {"train_dfsft.py": "dfsft", "train_finetune.py": "finetune", "train_dmd2.py": "dmd2",
-                 "train_self_forcing.py": "self_forcing", "train_diffusion_nft.py": "diffusion_nft"}
+                 "train_self_forcing.py": "self_forcing", "train_diffusion_nft.py": "diffusion_nft", "train_kd.py": "kd",
+                 "train_causal_cd.py": "causal_cd", "train_anyflow_pretrain.py": "anyflow_pretrain", "train_anyflow.py": "anyflow"}
 SECTION_ROOTS = tuple(f.name for f in dataclasses.fields(RunConfig))
-COMMAND_START = re.compile(r"(?:accelerate launch|python -m fv_accel\b|python train_(?:dfsft|finetune|dmd2|self_forcing|diffusion_nft)\.py)")
+COMMAND_START = re.compile(r"(?:accelerate launch|python -m fv_accel\b|python train_(?:dfsft|finetune|dmd2|self_forcing|diffusion_nft|kd|causal_cd|anyflow_pretrain|anyflow)\.py)")
 
 
 # ---- what the pages show ----

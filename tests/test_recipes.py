@@ -32,6 +32,12 @@ WAN_RECIPES = {
     "wan2_1_t2v_1_3b_self_forcing": ("outputs/wan2_1_t2v_1_3b_dfsft", "self_forcing", None, "auto", False, 5.0),
     "wan2_1_t2v_1_3b_nft_image": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "diffusion_nft", None, "auto", False, 3.0),
     "wan2_1_t2v_1_3b_nft_lora": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "diffusion_nft", None, "auto", True, 3.0),
+    # Teacher forcing, then causal consistency distillation from its run (the teacher and EMA the same run).
+    "wan2_1_t2v_1_3b_tfsft": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "tfsft", None, "auto", False, 3.0),
+    "wan2_1_t2v_1_3b_causal_cd": ("outputs/wan2_1_t2v_1_3b_tfsft", "causal_cd", None, "auto", False, 5.0),
+    "wan2_1_t2v_1_3b_kd_causal": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "kd_causal", None, "auto", False, 5.0),
+    "wan2_1_t2v_1_3b_anyflow_pretrain": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "anyflow_pretrain", None, "auto", False, 5.0),
+    "wan2_1_t2v_1_3b_anyflow_onpolicy": ("outputs/wan2_1_t2v_1_3b_anyflow_pretrain", "anyflow", None, "auto", False, 5.0),
 }
 
 
@@ -70,7 +76,8 @@ FAMILY_RECIPES = {
 def test_every_real_recipe_is_listed():
     real = {p.stem for p in (ROOT / "configs").glob("*.yaml")} - {
         "tiny_finetune", "tiny_dfsft", "tiny_dfsft_causal", "tiny_tfsft", "tiny_dmd2", "tiny_dmd2_teacher", "tiny_dfsft_causal_multimodal",
-        "tiny_self_forcing", "tiny_nft", "bench_small", "gpu_bench_1_3b",
+        "tiny_self_forcing", "tiny_nft", "bench_small", "gpu_bench_1_3b", "tiny_tfsft_multimodal", "tiny_causal_cd",
+        "tiny_self_forcing_from_cd", "tiny_kd", "tiny_self_forcing_from_kd", "tiny_anyflow_pretrain", "tiny_anyflow",
         "gpu_bench_14b", "gpu_check_small",
     }
     assert real == set(WAN_RECIPES) | set(FAMILY_RECIPES)
