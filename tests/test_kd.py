@@ -300,3 +300,30 @@ def test_the_teachers_ode_applies_guidance_and_at_1_runs_the_conditional_branch_
     expected = ((1 - s1) * first_x0 + s1 * x).bfloat16()
     assert torch.equal(guided_states[1], expected[0])
     assert not torch.equal(guided_states[1], states[1]) and not torch.allclose(guided_x0, x0)
+
+
+@pytest.mark.multiproc
+def test_two_processes_train_as_one(reference_cache, tmp_path, tiny_data_path):
+    """Causal KD, 2 processes x batch 1 (DDP) == 1 process x batch 2 over the same cache: with
+    `noise_rng: sample` each sample's block indices come from its own generator."""
+    from safetensors.torch import load_file
+
+    from test_distributed import WEIGHT_TOL, _driver, launch, max_diff
+
+    def run(name: str, batch: int) -> dict:
+        return {"name": name, "recipe": KD_RECIPE, "engine": "launch", "overrides": kd_overrides(tmp_path / name, **{
+            "training.data.data_path": tiny_data_path, "method.teacher_path_cache": str(reference_cache.folder),
+            "training.checkpoint.output_dir": str(tmp_path / name / "out"), "training.loop.noise_rng": "sample",
+            "training.data.train_batch_size": batch, "training.loop.max_train_steps": 3, "training.optimizer.eps": 1e-5})}
+
+    records = launch("accelerate_configs/cpu_2proc.yaml", [run("kd_2proc", 1)], tmp_path)["kd_2proc"]
+    folder = tmp_path / "records" / "kd_2proc"
+    w0, w1, init = (load_file(str(folder / f"{n}.safetensors")) for n in ("rank0", "rank1", "init"))
+    assert len(records) == 2 and max_diff(w0, w1) == 0.0 and max_diff(w0, init) > 1e-4
+    driver = _driver()
+    driver.reset_accelerate()
+    single = driver.run_one(run("kd_batch2", 2), tmp_path / "records")
+    assert max_diff(w0, load_file(str(tmp_path / "records" / "kd_batch2" / "rank0.safetensors"))) < WEIGHT_TOL
+    for step in range(3):
+        mean_of_ranks = (records[0]["steps"][step]["local_loss"] + records[1]["steps"][step]["local_loss"]) / 2
+        assert single["logged"][step]["loss"] == pytest.approx(mean_of_ranks, abs=1e-5)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from fv_accel.methods.base import LogScalar, TrainingMethod
 from fv_accel.methods.knowledge_distillation import cache as kd_cache
 from fv_accel.models.base import ModelBase, TrainingBatch
+from fv_accel.seeding import derived_seed
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +169,13 @@ class KDMethod(TrainingMethod):
     _spec_shape: tuple[int, ...] = ()
 
     # ---- the step ----
-    @staticmethod
-    def _first(generator: Any) -> torch.Generator:
-        """The generator of batch-wide draws (the step index): the rank's, or the first sample's."""
-        return generator[0] if isinstance(generator, list) else generator
+    def _step_generator(self, generator: Any, iteration: int) -> torch.Generator:
+        """The generator of batch-wide draws (the step index): the rank's (FastVideo's), or under
+        `noise_rng: sample` one of (seed, step), the same on every rank and for every micro-batch of the
+        step, so that N processes train as one does."""
+        if isinstance(generator, list):
+            return torch.Generator(device=self.device).manual_seed(derived_seed(self.seed, iteration, "kd_step"))
+        return generator
 
     def _trajectory_index(self, batch: dict, t: int) -> int:
         cached = [int(v) for v in batch["trajectory_timesteps"][0].tolist()]
@@ -205,10 +209,9 @@ class KDMethod(TrainingMethod):
     def single_train_step(
         self, batch: dict[str, Any], iteration: int
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, LogScalar]]:
-        del iteration
         device = self.device
         generator = self.batch_generator(batch)
-        step_i = int(torch.randint(0, self._num_steps, (1,), generator=self._first(generator), device=device).item())
+        step_i = int(torch.randint(0, self._num_steps, (1,), generator=self._step_generator(generator, iteration), device=device).item())
         t = self._t_list[step_i]
         k = self._trajectory_index(batch, t)
         noisy = batch["trajectory_latents"][:, k].to(device=device, dtype=torch.float32)
@@ -269,14 +272,17 @@ class KDCausalMethod(KDMethod):
     def single_train_step(
         self, batch: dict[str, Any], iteration: int
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, LogScalar]]:
-        del iteration
+        del iteration  # the block indices are per sample: each sample's generator under `noise_rng: sample`
         device = self.device
         traj = batch["trajectory_latents"]  # [B, S, C, T, H, W]
         bsz, _, channels, frames = traj.shape[:4]
         cols = torch.tensor([self._trajectory_index(batch, t) for t in self._t_list[:-1]], dtype=torch.long)
         relevant = traj[:, cols].to(device=device, dtype=torch.float32)  # [B, K, C, T, H, W]
         generator = self.batch_generator(batch)
-        idx = self.sample_block_indices(bsz, frames, self._first(generator))  # [B, T]
+        if isinstance(generator, list):
+            idx = torch.cat([self.sample_block_indices(1, frames, g) for g in generator])  # [B, T]
+        else:
+            idx = self.sample_block_indices(bsz, frames, generator)
         gather = idx[:, None, None, :, None, None].expand(bsz, 1, channels, frames, *relevant.shape[-2:])
         noisy = torch.gather(relevant, 1, gather).squeeze(1)
         target = batch["real"].to(device=device, dtype=torch.float32)
