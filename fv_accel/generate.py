@@ -24,6 +24,10 @@ checkpoint to generate from.
   cached, so it can run past the trained length; the rotary table still bounds the length.
 - A bidirectional student samples the whole clip with its run's sampler (the family's diffusers
   pipeline, as validation does) and writes the mp4 at the end.
+- An AnyFlow student steps its flow map (`FlowMapEulerDiscreteScheduler` at the run's shift): at
+  `--steps N` for any N; without it, an on-policy run at its own trained timesteps (student_steps.json),
+  another at its validation steps. An AnyFlow-FAR student streams: `AnyFlowFARPipeline` samples chunk by
+  chunk over its KV cache and each finished chunk is decoded and appended as for causal students.
 
 The mp4 is written as `<output>.partial` (fragmented, one fragment per frame, flushed as each chunk
 is written, so a reader sees it grow) and renamed to `<output>` when complete; a failed or
@@ -97,6 +101,9 @@ def _few_step(run: Path, cfg: Any) -> tuple[Any, int]:
 
     steps_file = run / STUDENT_STEPS_FILE
     path = run / "scheduler" / "scheduler_config.json"
+    flow_map = _flow_map_steps(steps_file)
+    if flow_map is not None:  # an on-policy AnyFlow student: the flow map at its trained steps
+        return flow_map, len(flow_map.timesteps) - 1
     # A bidirectional student with a stock scheduler samples through its family's pipeline with it.
     if steps_file.is_file() and (cfg.models.student.causal or not path.is_file()):
         try:
@@ -113,6 +120,35 @@ def _few_step(run: Path, cfg: Any) -> tuple[Any, int]:
     config = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
     name = json.loads(path.read_text()).get("_class_name")
     return SamplingSchedule(name, config, f"{path}"), len(cfg.method.dmd_denoising_steps)
+
+
+@dataclass
+class FlowMapSteps:
+    """An on-policy AnyFlow student's own steps (`student_steps.json` of student_sample_type flow_map):
+    its rollout's timesteps, the final 0 included, and whether r is the next timestep (the flow map)
+    or t (`method.use_mean_velocity`)."""
+
+    timesteps: list
+    use_mean_velocity: bool
+    origin: str
+
+
+def _flow_map_steps(steps_file: Path) -> Optional[FlowMapSteps]:
+    """The flow-map steps `steps_file` records, or None (no file, or another student's steps)."""
+    import json
+
+    if not steps_file.is_file():
+        return None
+    try:
+        record = json.loads(steps_file.read_text())
+        if record.get("student_sample_type") != "flow_map":
+            return None
+        timesteps = [float(t) for t in record["timesteps"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise GenerateError(f"{steps_file}: not a student steps record ({err})") from None
+    if len(timesteps) < 2 or timesteps[-1] != 0.0:
+        raise GenerateError(f"{steps_file}: flow-map timesteps {timesteps} must end at 0 after at least one step")
+    return FlowMapSteps(timesteps, bool(record.get("use_mean_velocity", True)), str(steps_file))
 
 
 @dataclass
@@ -283,6 +319,8 @@ def check_rope(transformer: torch.nn.Module, temporal: int, num_frames: int) -> 
 
 def check_request(args: argparse.Namespace, student: Any) -> None:
     causal = getattr(student, "causal_attention", None) is not None
+    if args.kv_window is not None and getattr(student, "family", None) == "anyflow_far":
+        raise GenerateError(f"--kv_window {args.kv_window}: an AnyFlow-FAR student keeps its own window (full_chunk_limit); leave it out")
     if args.kv_window is not None:
         if not causal:
             raise GenerateError(f"--kv_window {args.kv_window}: the student is bidirectional (no KV cache); leave it out")
@@ -423,6 +461,7 @@ class Settings:
     describe: str = ""
     timesteps: Optional[torch.Tensor] = None  # the model's timesteps with explicit sigmas (else sigma * N)
     context: Optional[float] = None  # a distilled student's context timestep (else the run's validation context_noise sigma)
+    flow_map: Optional[dict] = None  # an AnyFlow student's pipeline step inputs (`_flow_map_settings`)
 
 
 def sampler_settings(loaded: Loaded, args: argparse.Namespace, latent_shape: tuple) -> Settings:
@@ -431,6 +470,8 @@ def sampler_settings(loaded: Loaded, args: argparse.Namespace, latent_shape: tup
 
     source, student = loaded.source, loaded.student
     val = source.cfg.callbacks.validation
+    if hasattr(student, "flow_map_scheduler"):
+        return _flow_map_settings(loaded, args)
     if isinstance(source.few_step, FewSteps):
         few = source.few_step
         if args.steps is not None and args.steps != len(few.timesteps):
@@ -457,6 +498,34 @@ def sampler_settings(loaded: Loaded, args: argparse.Namespace, latent_shape: tup
     else:
         text = f"{steps} steps of {schedule.describe()}"
     return Settings(steps, guidance, shift=shift, schedule=schedule, describe=text)
+
+
+def _flow_map_settings(loaded: Loaded, args: argparse.Namespace) -> Settings:
+    """An AnyFlow student steps its flow map (FlowMapEulerDiscreteScheduler at the run's shift, r the
+    next timestep: what `AnyFlowPipeline.from_pretrained(run)` steps): at `--steps N` for any N; without
+    it, an on-policy student at its own trained timesteps (student_steps.json, given to the pipeline
+    as custom timesteps, no guidance), any other at its run's validation steps and guidance."""
+    from fv_accel.models.anyflow import pipeline_timesteps
+    from fv_accel.sampling import SamplingSchedule
+
+    source, student = loaded.source, loaded.student
+    val = source.cfg.callbacks.validation
+    scheduler = student.flow_map_scheduler()
+    shift = float(scheduler.config.shift)
+    config = {"num_train_timesteps": int(scheduler.config.num_train_timesteps), "shift": shift}
+    schedule = SamplingSchedule("FlowMapEulerDiscreteScheduler", config, "the student's flow map")
+    own = source.few_step if isinstance(source.few_step, FlowMapSteps) else None
+    if own is not None and args.steps in (None, source.few_steps):
+        guidance = 1.0 if args.guidance_scale is None else args.guidance_scale
+        call = {"timesteps": pipeline_timesteps(own.timesteps, shift), "use_mean_velocity": own.use_mean_velocity}
+        r = "the next timestep" if own.use_mean_velocity else "r = t"
+        text = f"its {source.few_steps} trained flow-map steps {own.timesteps[:-1]} ({r}; {own.origin})"
+        return Settings(source.few_steps, guidance, schedule=schedule, describe=text, flow_map=call)
+    steps = args.steps or val.sampling_steps
+    default_guidance = 1.0 if own is not None else val.guidance_scale
+    guidance = default_guidance if args.guidance_scale is None else args.guidance_scale
+    text = f"{steps} flow-map steps of FlowMapEulerDiscreteScheduler at shift {shift:g}"
+    return Settings(steps, guidance, schedule=schedule, describe=text, flow_map={})
 
 
 def _to_pixels(loaded: Loaded, latents: torch.Tensor, decode: Any = None) -> np.ndarray:
@@ -535,6 +604,62 @@ def stream_causal(
     return Report(writer.frames, seconds, first, num_chunks, cached, decoder is not None)
 
 
+def stream_far(
+    loaded: Loaded, settings: Settings, args: argparse.Namespace, writer: Any,
+    on_chunk: Optional[Callable[[int, Any], None]] = None,
+) -> Report:
+    """An AnyFlow-FAR student: AnyFlowFARPipeline samples chunk by chunk over its KV cache (the model's
+    chunk layout, `far_chunk_partition`); each chunk is decoded (the VAE's causal cache kept) and
+    appended to the mp4 as soon as its last flow-map step is done, seen through the pipeline's
+    `callback_on_step_end`, which is given every chunk's latents at every step."""
+    from fv_accel.models.anyflow import far_chunk_partition
+    from fv_accel.process import progress_bar
+    from fv_accel.rollout import RolloutChunk
+
+    student = loaded.student
+    partition = far_chunk_partition(student.modules[0].config, latent_count(args.num_frames, loaded.temporal))
+    decoder = type(student).stream_decoder(loaded.vae)
+    if decoder is None:
+        print(f"the {student.family} family's VAE cannot decode in pieces: the video is decoded and written at the end")
+    bar = progress_bar(len(partition), "chunks", unit="chunk")
+    start, times, cached, pending = time.perf_counter(), [], [], []
+
+    def chunk_done(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
+        if step != len(pipe.scheduler.timesteps) - 1:
+            return {}
+        index = len(times)
+        latents = tensors["latents"].permute(0, 2, 1, 3, 4).float()  # the pipeline's [B, T, C, H, W]
+        if decoder is not None:
+            writer.write(_to_pixels(loaded, latents, lambda _vae, z: decoder.decode(z)))
+        else:
+            pending.append(latents)
+        times.append(time.perf_counter() - start)
+        end = sum(partition[: index + 1])
+        cached.append(end)
+        bar.update(1)
+        if on_chunk is not None:
+            on_chunk(index, RolloutChunk(end - partition[index], end, latents, end))
+        return {}
+
+    call = {**(settings.flow_map or {}), "callback_on_step_end": chunk_done, "callback_on_step_end_tensor_inputs": ["latents"]}
+    try:
+        with torch.no_grad():
+            student.sample_latents(
+                loaded.vae, loaded.text, loaded.negative, height=args.height, width=args.width, num_frames=args.num_frames,
+                num_inference_steps=settings.steps, guidance_scale=settings.guidance_scale,
+                scheduler=settings.schedule.build(), generator=torch.Generator().manual_seed(args.seed), flow_map=call,
+            )
+        if len(times) != len(partition):
+            raise GenerateError(f"the FAR pipeline finished {len(times)} of its {len(partition)} chunks {partition}")
+        if decoder is None:
+            writer.write(_to_pixels(loaded, torch.cat(pending, dim=2)))
+    finally:
+        bar.close()
+        if decoder is not None:
+            decoder.close()
+    return Report(writer.frames, time.perf_counter() - start, times[0], len(partition), cached, decoder is not None)
+
+
 def _sample_few_steps(loaded: Loaded, latent_shape: tuple, generator: torch.Generator, writer: Any, start: float) -> Report:
     """A bidirectional distilled student without a stock scheduler: its own steps (x0, then re-noised
     with fresh noise), `fv_accel.sampling.few_step_sample`."""
@@ -580,9 +705,10 @@ def sample_whole(loaded: Loaded, settings: Settings, args: argparse.Namespace, l
     if isinstance(loaded.source.few_step, FewSteps):
         return _sample_few_steps(loaded, latent_shape, generator, writer, start)
     steps = dict(num_inference_steps=settings.steps, guidance_scale=settings.guidance_scale)
+    flow_map = {} if settings.flow_map is None else {"flow_map": settings.flow_map}
     latents = student.sample_latents(
         loaded.vae, loaded.text, loaded.negative, height=args.height, width=args.width, num_frames=args.num_frames,
-        scheduler=settings.schedule.build(), generator=generator, first_frame=first_frame, **steps,
+        scheduler=settings.schedule.build(), generator=generator, first_frame=first_frame, **steps, **flow_map,
     )
     if latents is None:  # no family pipeline for this student: the pipeline's loop, as validation
         noise = torch.randn(latent_shape, generator=generator, dtype=torch.float32).to(student.device)
@@ -636,11 +762,16 @@ def generate(args: argparse.Namespace, on_chunk: Optional[Callable[[int, Any], N
     shape = (1, student.in_channels, latent_frames, args.height // loaded.spatial, args.width // loaded.spatial)
     settings = sampler_settings(loaded, args, shape)
     causal = getattr(student, "causal_attention", None) is not None
+    far = getattr(student, "family", None) == "anyflow_far"  # streamed by its own pipeline (stream_far)
     if args.kv_window is not None:
         student.causal_attention.set_window(args.kv_window)
     # A family that makes sound with the picture (LTX-2) at the frame rate it was made for.
     fps = args.fps or (student.frame_rate if student.has_audio else source.cfg.callbacks.validation.fps if source.is_run else 16)
     kind = f"causal student (chunks of {student.causal_block_size} latent frames)" if causal else "bidirectional student"
+    if far:
+        from fv_accel.models.anyflow import far_chunk_partition
+
+        kind = f"AnyFlow-FAR student (chunks of {far_chunk_partition(student.modules[0].config, latent_frames)} latent frames)"
     trained_text = f" (trained on {trained})" if trained else ""
     print(f"{args.run_or_model}: {kind}; {args.num_frames} frames{trained_text} at {args.width}x{args.height}, "
           f"{settings.describe}, guidance {settings.guidance_scale:g}, seed {args.seed}")
@@ -650,6 +781,8 @@ def generate(args: argparse.Namespace, on_chunk: Optional[Callable[[int, Any], N
             noise = torch.randn(shape, generator=torch.Generator().manual_seed(args.seed), dtype=torch.float32).to(device)
             generator = torch.Generator(device).manual_seed(args.seed + 1)
             report = stream_causal(loaded, settings, noise, writer, generator, on_chunk)
+        elif far:
+            report = stream_far(loaded, settings, args, writer, on_chunk)
         else:
             report = sample_whole(loaded, settings, args, shape, writer)
         if not report.sound:

@@ -100,7 +100,8 @@ def student_encoding_model(cfg) -> Optional[EncodingModel]:
     if st.init_from is None:
         return None
     family = family_of(cfg).family
-    if family == "wan":
+    # A family on the Wan's latents and text encoder (its `role_families` name wan: AnyFlow) takes them too.
+    if family == "wan" or "wan" in getattr(family_of(cfg), "role_families", ()):
         return None
     if not fetch_config(st.init_from, "vae", revision=st.revision, required=False):
         raise ConfigError(

@@ -17,7 +17,8 @@ Per step (iteration = the 1-based step number), every draw from the method's gen
 3. the critic's loss on a second, full rollout without gradient from a fresh start noise (score
    timestep, noise).
 The rollout stops after its gradient step (FastVideo runs the remaining steps and discards them:
-the same numbers, fewer forwards). Teacher and critic are plain velocity models (DMD2's
+the same numbers, fewer forwards), except under a sharded engine (FSDP2, ZeRO-3), where every rank
+runs all steps so that the ranks' forwards, collectives there, line up. Teacher and critic are plain velocity models (DMD2's
 predict_x0): their x0 is the jump from t to r = 0, which is what `dmd_score_r_value` names; only
 0 (or null) is accepted.
 """
@@ -166,8 +167,20 @@ class AnyFlowMethod(DMD2Method):
                 )
             x = x - ((t_cur - t_next) / n).view(-1, 1, 1, 1, 1) * v
             if i == grad_step:
-                return x
-        return x
+                if not self._forwards_are_collective():
+                    return x
+                out, x = x, x.detach()
+        return x if grad_step < 0 else out
+
+    def _forwards_are_collective(self) -> bool:
+        """Whether each student forward is a collective (an FSDP2 module, or ZeRO-3's partitioned
+        parameters): every rank must then run as many forwards as the others, so the rollout runs its
+        steps past the drawn gradient step (without gradient, discarded, as FastVideo runs them)
+        wherever the ranks drew different steps."""
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.student.transformer
+        return isinstance(module, FSDPModule) or hasattr(next(module.parameters()), "ds_numel")
 
     def math_signature(self) -> dict[str, Any]:
         sig = super().math_signature()
