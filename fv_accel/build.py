@@ -536,13 +536,13 @@ def build_from_config(
     cfg = path_or_dict if isinstance(path_or_dict, RunConfig) else load_config(path_or_dict, overrides)
     # Everything that can be wrong with the recipe, the data or the output folder is checked before
     # anything is written to the output folder.
-    from fv_accel.config import check_role_runs
-
-    check_role_runs(cfg)  # a chain's missing start run: the command that makes it, before any role's model is read
-    check_no_lora_run_roles(cfg)
+    check_no_lora_run_roles(cfg)  # before any role's model is read
     resume, resume_meta = _resume_point(cfg)
     acc = accelerator or build_accelerator(cfg)
     _check_engine(cfg, acc, resume, resume_meta)
+    from fv_accel.config import check_role_runs
+
+    check_role_runs(cfg)  # a chain's missing start run: the command that makes it, before the data's checks read a model
     data_path = _prepare_data_source(cfg, acc)
     student, method = _build_student_and_method(cfg, acc)
     heldout_rows, loader = _build_loader(cfg, acc, data_path, student, method)
