@@ -363,20 +363,25 @@ class AnyFlowStudent(DiffusersStudent):
         with `flow_map_scheduler(scheduler)` (r = the next timestep); the normalised latents. `flow_map`:
         the pipeline's own step inputs (`timesteps`: a trained step list through `pipeline_timesteps`,
         `use_mean_velocity`), as `python -m fv_accel.generate` samples an on-policy student at its steps."""
-        from diffusers import AnyFlowPipeline
+        import diffusers
 
         from fv_accel.sampling import pipeline_latents
 
         del first_frame
-        pipe = AnyFlowPipeline(
+        pipe = getattr(diffusers, self.pipeline_class_name)(
             tokenizer=None, text_encoder=None, vae=vae, scheduler=self.flow_map_scheduler(scheduler),
             transformer=self.transformer,
         )
         return pipeline_latents(
             pipe, cond.text, None if negative is None else negative.text, height=height, width=width,
             num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-            generator=generator, **(flow_map or {}),
+            generator=generator, **self.pipeline_call_inputs(vae, num_frames), **(flow_map or {}),
         )
+
+    def pipeline_call_inputs(self, vae: torch.nn.Module, num_frames: int) -> dict:
+        """What the pipeline call takes beside the prompt and steps: nothing for the bidirectional student."""
+        del vae, num_frames
+        return {}
 
     # ---- outputs ----
     def save_final(self, accelerator: Any, output_dir: Any) -> None:
@@ -602,38 +607,10 @@ class AnyFlowFARStudent(AnyFlowStudent):
             )
         return {**inputs, "chunk_partition": partition}
 
-    def sample_latents(
-        self,
-        vae: torch.nn.Module,
-        cond: Conditioning,
-        negative: Optional[Conditioning],
-        *,
-        height: int,
-        width: int,
-        num_frames: int,
-        num_inference_steps: int,
-        guidance_scale: float,
-        scheduler: Any,
-        generator: torch.Generator,
-        first_frame: Optional[Any] = None,
-        flow_map: Optional[dict] = None,
-    ) -> Optional[torch.Tensor]:
-        """A sample through diffusers' AnyFlowFARPipeline around the live transformer: chunk by chunk
-        over its KV cache, each chunk stepped by the flow map (`flow_map_scheduler`); `flow_map` as for
-        `AnyFlowStudent.sample_latents` (and `callback_on_step_end`, which sees each chunk's steps)."""
-        from diffusers import AnyFlowFARPipeline
+    def pipeline_call_inputs(self, vae: torch.nn.Module, num_frames: int) -> dict:
+        """AnyFlowFARPipeline samples chunk by chunk over its KV cache: the chunk partition of the clip's
+        latent frames (the flow map steps each chunk, `callback_on_step_end` sees each chunk's steps)."""
+        from fv_accel.sampling import latent_frames
 
-        from fv_accel.sampling import latent_frames, pipeline_latents
-
-        del first_frame
-        pipe = AnyFlowFARPipeline(
-            tokenizer=None, text_encoder=None, vae=vae, scheduler=self.flow_map_scheduler(scheduler),
-            transformer=self.transformer,
-        )
         temporal = int(vae.config.get("scale_factor_temporal") or 4)
-        partition = far_chunk_partition(self.modules[0].config, latent_frames(num_frames, temporal))
-        return pipeline_latents(
-            pipe, cond.text, None if negative is None else negative.text, height=height, width=width,
-            num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-            generator=generator, chunk_partition=partition, **(flow_map or {}),
-        )
+        return {"chunk_partition": far_chunk_partition(self.modules[0].config, latent_frames(num_frames, temporal))}
