@@ -1111,18 +1111,28 @@ def sample_watch_message(step: int, subject: str, figures: dict, reference: dict
                          ratio: float) -> Optional[str]:
     """One line when the samples' temporal variation or colour spread leaves [ratio, 1 / ratio]
     times the reference's: below, collapse (static, solid); above, divergence (flicker, noise).
-    None inside (or without a positive reference figure)."""
+    The line names every figure beside the reference's (the one inside the band too), so a run
+    whose colour spread diverges also shows where its temporal variation stands. None inside
+    (or without a positive reference figure)."""
+    parts, sides = [], set()
     for key, name in (("temporal_variation", "temporal variation"), ("colour_spread", "colour spread")):
         ours, ref = figures.get(key, math.nan), reference.get(key, math.nan)
         if not ref > 0 or not math.isfinite(ours):
             continue
         if ours < ratio * ref:
-            return (f"step {step}: {subject} are collapsing (static, solid): {name} {ours:.4f}, below {ratio:g} x "
-                    f"{reference_name} {ref:.4f} (callbacks.validation.collapse_ratio)")
-        if ours > ref / ratio:
-            return (f"step {step}: {subject} are diverging (flicker, noise): {name} {ours:.4f}, above {reference_name} "
-                    f"{ref:.4f} / {ratio:g} (callbacks.validation.collapse_ratio)")
-    return None
+            sides.add("below")
+            parts.append(f"{name} {ours:.4f}, below {ratio:g} x {reference_name} {ref:.4f}")
+        elif ours > ref / ratio:
+            sides.add("above")
+            parts.append(f"{name} {ours:.4f}, above {reference_name} {ref:.4f} / {ratio:g}")
+        else:
+            relation = "above" if ours > ref else "below" if ours < ref else "equal to"
+            parts.append(f"{name} {ours:.4f}, {relation} {reference_name} {ref:.4f} ({ours / ref:.2f} x, inside the band)")
+    if not sides:
+        return None
+    verdict = {frozenset({"below"}): "collapsing (static, solid)", frozenset({"above"}): "diverging (flicker, noise)"}
+    state = verdict.get(frozenset(sides), "collapsing and diverging (one figure below, one above)")
+    return f"step {step}: {subject} are {state}: {'; '.join(parts)} (callbacks.validation.collapse_ratio)"
 
 
 def video_statistics(frames: np.ndarray) -> tuple[float, float]:

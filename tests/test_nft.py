@@ -242,3 +242,22 @@ def test_the_sample_watch_warns_on_both_sides_of_the_reference_in_one_line(tmp_p
         assert len(lines) == 1 and "\n" not in lines[0] and expected in lines[0] and "step 8" in lines[0]
     assert "temporal variation 0.0300, above the reference's 0.0100 / 0.5" in stops[0]
     assert "colour spread 0.0200, below 0.5 x the reference's 0.0700" in stops[1]
+    # The figure inside the band is named beside the one outside it.
+    assert "colour spread 0.0700, equal to the reference's 0.0700 (1.00 x, inside the band)" in stops[0]
+    assert "temporal variation 0.0100, equal to the reference's 0.0100" in stops[1]
+
+
+def test_the_sample_watch_line_names_both_figures_and_a_mixed_verdict():
+    from fv_accel.validation import sample_watch_message
+
+    teacher = {"temporal_variation": 0.0030, "colour_spread": 0.0701}
+    line = sample_watch_message(50, "the student's samples", {"temporal_variation": 0.0056, "colour_spread": 0.3897},
+                                teacher, "the teacher's", 0.5)
+    assert line == ("step 50: the student's samples are diverging (flicker, noise): temporal variation 0.0056, above the "
+                    "teacher's 0.0030 (1.87 x, inside the band); colour spread 0.3897, above the teacher's 0.0701 / 0.5 "
+                    "(callbacks.validation.collapse_ratio)")
+    mixed = sample_watch_message(7, "s", {"temporal_variation": 0.0001, "colour_spread": 0.3}, teacher, "t", 0.5)
+    assert mixed.startswith("step 7: s are collapsing and diverging (one figure below, one above): temporal variation "
+                            "0.0001, below 0.5 x t 0.0030; colour spread 0.3000, above t 0.0701 / 0.5")
+    assert sample_watch_message(7, "s", {"temporal_variation": 0.004, "colour_spread": 0.05}, teacher, "t", 0.5) is None
+    assert sample_watch_message(7, "s", {"temporal_variation": float("nan"), "colour_spread": 0.05}, teacher, "t", 0.5) is None
