@@ -217,6 +217,15 @@ def test_inspect_check_on_a_truncated_or_foreign_parquet_says_it_once_and_exits_
     out = capsys.readouterr()
     assert out.err.count("\n") == 1 and str(cut / "data-00000-of-00002.parquet") in out.err
     assert out.out.splitlines() == ["check: 0 row(s) read; 1 problem(s):", "  " + unreadable.replace(str(shard), str(second))]
+    # Only the second shard cut: the open's line names it, and the rows of the first are not called "no problems".
+    readable = _text_only_dataset(tmp_path / "half", [torch.ones(3, 32), torch.ones(2, 32)])
+    first = readable / "data-00000-of-00001.parquet"
+    first.rename(readable / "data-00000-of-00002.parquet")
+    (readable / "data-00001-of-00002.parquet").write_bytes(first.with_name("data-00000-of-00002.parquet").read_bytes()[:3000])
+    assert inspect_main([str(readable), "--check"]) == 2
+    out = capsys.readouterr()
+    assert out.err.count("\n") == 1 and "data-00001-of-00002.parquet: not a readable Parquet file" in out.err
+    assert out.out.splitlines() == ["check: 2 row(s) of the other file(s) read, no problem beyond the error above"]
 
 
 # ---- R6.11: a binary file given as --prompts is refused as such ----

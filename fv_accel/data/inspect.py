@@ -225,8 +225,10 @@ def _check(path: str, open_error: Optional[str]) -> int:
         file_problems = [p for p in file_problems if p not in said]
     lines = [f"{f}: {what}" for f, what in file_problems] + row_lines
     if not lines:
-        if open_error is None or read:
+        if open_error is None:
             print(f"check: {read} row(s) read, no problems")
+        elif read:
+            print(f"check: {read} row(s) of the other file(s) read, no problem beyond the error above")
         return 0 if open_error is None else 2
     print(f"check: {read} row(s) read; {len(lines)} problem(s):")
     print("\n".join(f"  {line}" for line in lines))
