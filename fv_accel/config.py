@@ -294,6 +294,7 @@ class MethodConfig:
 
     def check(self) -> None:
         check_descending("dmd_denoising_steps", self.dmd_denoising_steps, "e.g. [1000, 750, 500, 250]")
+        check_descending("t_list", self.t_list, "e.g. [1000, 937, 833, 624, 0]")
 
 
 def check_descending(key: str, values: Any, example: str) -> None:

@@ -301,19 +301,27 @@ def latent_count(num_frames: int, temporal: int) -> int:
     return (num_frames - 1) // temporal + 1
 
 
-def check_rope(transformer: torch.nn.Module, temporal: int, num_frames: int) -> None:
-    """Refuse a length the rotary table cannot position (Wan: `rope_max_seq_len` positions per axis),
-    naming the most frames it can (checked before the VAE's frame rule, so that the nearest counts
-    it names are within the table)."""
+def check_rope(transformer: torch.nn.Module, temporal: int, num_frames: int, spatial: int = 0, height: int = 0,
+               width: int = 0, size_given: bool = True) -> None:
+    """Refuse a length or a frame size the rotary table cannot position (Wan: `rope_max_seq_len`
+    positions per axis), naming the most frames, or the largest height and width, it can (checked
+    before the VAE's frame rule, so that the nearest counts it names are within the table)."""
     limit = getattr(transformer.config, "rope_max_seq_len", None)
     if limit is None:
         return
-    p_t = int(transformer.config.patch_size[0])
+    p_t, p_h, p_w = (int(p) for p in transformer.config.patch_size)
     most = (int(limit) * p_t - 1) * temporal + 1
     if num_frames > most:
         raise GenerateError(
             f"--num_frames {num_frames}: past the model's rotary table (rope_max_seq_len {limit}: "
             f"{int(limit) * p_t} latent frames); at most {most} frames"
+        )
+    most_h, most_w = int(limit) * p_h * spatial, int(limit) * p_w * spatial
+    if spatial and (height > most_h or width > most_w):
+        given = "" if size_given else " (the 480p default: the source records no size)"
+        raise GenerateError(
+            f"--height {height} / --width {width}{given}: past the model's rotary table (rope_max_seq_len {limit}: "
+            f"{limit} positions per axis); at most {most_h} px high and {most_w} px wide: give --height and --width"
         )
 
 
@@ -754,10 +762,11 @@ def generate(args: argparse.Namespace, on_chunk: Optional[Callable[[int, Any], N
     student = loaded.student
     check_request(args, student)
     height, width, trained = default_size(source, loaded.spatial, loaded.temporal)
+    size_given = bool(args.height and args.width)
     args.height, args.width = args.height or height, args.width or width
     if args.height % loaded.spatial or args.width % loaded.spatial:
         raise GenerateError(f"--height {args.height} / --width {args.width}: must be multiples of {loaded.spatial}")
-    check_rope(student.transformer, loaded.temporal, args.num_frames)
+    check_rope(student.transformer, loaded.temporal, args.num_frames, loaded.spatial, args.height, args.width, size_given)
     latent_frames = latent_count(args.num_frames, loaded.temporal)
     shape = (1, student.in_channels, latent_frames, args.height // loaded.spatial, args.width // loaded.spatial)
     settings = sampler_settings(loaded, args, shape)

@@ -138,6 +138,9 @@ def test_kv_window_runs_past_the_trained_length_with_a_bounded_cache(runs, tmp_p
         ("causal", ["--num_frames", "100000"],
          "--num_frames 100000: past the model's rotary table (rope_max_seq_len 32: 32 latent frames); at most 125 frames"),
         ("causal", ["--num_frames", "129"], "--num_frames 129: past the model's rotary table"),
+        ("causal", ["--num_frames", "21", "--height", "48", "--width", "640"],
+         "--height 48 / --width 640: past the model's rotary table (rope_max_seq_len 32: 32 positions per axis); "
+         "at most 512 px high and 512 px wide: give --height and --width"),
         ("bidirectional", ["--num_frames", "21", "--kv_window", "6"], "--kv_window 6: the student is bidirectional"),
         ("causal", ["--num_frames", "21", "--kv_window", "4"], "--kv_window 4: must be a multiple of the causal block size 3"),
         ("causal", ["--num_frames", "21", "--image", "x.png"], "--image x.png: this student is text-to-video"),
@@ -151,6 +154,19 @@ def test_refusals_are_one_line_naming_the_value(runs, tmp_path, capsys, which, e
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not out.exists() and not (tmp_path / "x.mp4.partial").exists()
+
+
+def test_a_tiny_model_folder_without_a_size_is_refused_in_one_line_naming_the_default(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "m.mp4"
+    assert main([str(tiny_model_dir), "--prompt", PROMPT, "--output", str(out), "--steps", "1", "--num_frames", "9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --height 480 / --width 832 (the 480p default: the source records no size): past the model's "
+                   "rotary table (rope_max_seq_len 32: 32 positions per axis); at most 512 px high and 512 px wide: "
+                   "give --height and --width"], err
+    assert not out.exists()
+    assert main([str(tiny_model_dir), "--prompt", PROMPT, "--output", str(out), "--steps", "1", "--num_frames", "9",
+                 "--height", "48", "--width", "48"]) == 0
+    assert _frames(out) == 9
 
 
 def test_bidirectional_run_samples_the_whole_clip(runs, tmp_path):

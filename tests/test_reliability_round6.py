@@ -59,6 +59,7 @@ def test_a_role_of_another_family_channels_or_text_width_is_refused_at_build(tmp
     ("self_forcing", "method.dmd_denoising_steps", [1000, 500, 500], "e.g. [1000, 750, 500, 250]"),
     ("diffusion_nft", "method.sampling.timesteps", [250.0, 1000.0], "e.g. [1000, 750, 500, 250]"),
     ("diffusion_nft", "method.sampling.sigmas", [0.25, 1.0], "e.g. [1.0, 0.75, 0.5, 0.25]"),
+    ("kd", "method.t_list", [300, 500, 750, 1000, 0], "e.g. [1000, 937, 833, 624, 0]"),
 ])
 def test_a_step_list_not_strictly_descending_is_refused_when_the_recipe_loads(recipe, key, value, example):
     path = default_recipe(recipe)
