@@ -327,3 +327,31 @@ def test_two_processes_train_as_one(reference_cache, tmp_path, tiny_data_path):
     for step in range(3):
         mean_of_ranks = (records[0]["steps"][step]["local_loss"] + records[1]["steps"][step]["local_loss"]) / 2
         assert single["logged"][step]["loss"] == pytest.approx(mean_of_ranks, abs=1e-5)
+
+
+@pytest.mark.multiproc
+def test_fsdp2_trains_causal_kd_and_resumes_it_exactly(reference_cache, tmp_path, tiny_data_path):
+    """Causal KD under FSDP2 (2 processes, the student sharded; the driver asserts the engine): a run
+    resumed from its step-2 checkpoint computes step 3's losses bit for bit as the straight run did
+    on each rank, and the first step's losses equal those of the same run under DDP (same weights,
+    same samples, same block draws)."""
+    from test_distributed import launch
+
+    def run(name: str, engine: str, **extra) -> dict:
+        return {"name": name, "recipe": KD_RECIPE, "engine": engine, "overrides": kd_overrides(tmp_path / name, **{
+            "training.data.data_path": tiny_data_path, "method.teacher_path_cache": str(reference_cache.folder),
+            "training.checkpoint.output_dir": str(tmp_path / name / "out"), "training.loop.noise_rng": "sample",
+            "training.data.train_batch_size": 1, "training.loop.max_train_steps": 3,
+            "training.checkpoint.training_state_checkpointing_steps": 2,
+            "training.checkpoint.checkpoints_total_limit": 0, **extra})}
+
+    ckpt = str(tmp_path / "kd_fsdp2" / "out" / "checkpoint-2")
+    records = launch("accelerate_configs/fsdp2.yaml", [
+        run("kd_fsdp2", "fsdp2"), run("kd_fsdp2_resumed", "fsdp2", **{"training.checkpoint.resume_from_checkpoint": ckpt}),
+    ], tmp_path, "--mixed_precision", "no")
+    ddp = launch("accelerate_configs/cpu_2proc.yaml", [run("kd_ddp", "launch")], tmp_path)["kd_ddp"]
+    straight, resumed = records["kd_fsdp2"], records["kd_fsdp2_resumed"]
+    for rank in (0, 1):
+        assert [s["local_loss"] for s in resumed[rank]["steps"]] == [straight[rank]["steps"][2]["local_loss"]]
+        assert straight[rank]["steps"][0]["local_loss"] == pytest.approx(ddp[rank]["steps"][0]["local_loss"], abs=1e-6)
+    assert straight[0]["steps"][2]["local_loss"] != straight[1]["steps"][2]["local_loss"]  # the ranks' own samples
