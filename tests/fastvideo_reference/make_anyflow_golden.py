@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import os
 import sys
 import types
 from pathlib import Path
@@ -229,12 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in PRETRAIN_CASES + ONPOLICY_CASES:
         golden["cases"].append({**case, "results": run_case(fv, case)})
         print(case["name"], [r["total_loss"]["value"] for r in golden["cases"][-1]["results"]])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(dmd2_golden.format_golden(golden))
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    dmd2_golden.write_golden(args.out, dmd2_golden.format_golden(golden))
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import os
 import sys
 import types
 from pathlib import Path
@@ -184,12 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         results, derived = run_case(fv, case)
         golden["cases"].append({**case, "derived": derived, "results": results})
         print(case["name"], [r["total_loss"]["value"] for r in results])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(dmd2_golden.format_golden(golden))
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    dmd2_golden.write_golden(args.out, dmd2_golden.format_golden(golden))
     return 0
 
 

@@ -278,6 +278,16 @@ def run_case(fv: types.SimpleNamespace, case: dict[str, Any]) -> list[dict[str, 
     return records
 
 
+def write_golden(out: str | Path, text: str) -> None:
+    """Writes a golden file's text to `out` whole: a temporary file beside it, renamed over it."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+
+
 def format_golden(golden: dict[str, Any]) -> str:
     """The JSON with one line per iteration's record (and per case's settings)."""
     head = {k: v for k, v in golden.items() if k != "cases"}
@@ -331,12 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": run_case(fv, case),
         })
         print(case["name"], [r["total_loss"]["value"] for r in golden["cases"][-1]["results"]])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(format_golden(golden))
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    write_golden(args.out, format_golden(golden))
     return 0
 
 

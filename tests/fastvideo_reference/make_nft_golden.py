@@ -42,7 +42,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import os
 import sys
 import traceback
 import types
@@ -672,12 +671,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "results": result["results"]})
         print(case["name"], [r["loss_map"]["total_loss"]["value"] for r in result["results"]],
               [r["student_w"]["value"] for r in result["results"]])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(format_golden(golden))
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    dmd2_golden.write_golden(args.out, format_golden(golden))
     return 0
 
 
