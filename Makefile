@@ -1,6 +1,6 @@
-# Quick start: `make demo` (tiny DFSFT run), `make test` (the whole suite), `make bench` (the step-overhead
-# guard, docs/performance.md) and `make test-fast`
-# (an everyday subset, under a minute).
+# Quick start: `make demo` (250 steps of the tiny DFSFT default, under a minute), `make demo-full` (its
+# 1,250 steps), `make test` (the whole suite), `make bench` (the step-overhead guard, docs/performance.md)
+# and `make test-fast` (an everyday subset, under a minute).
 # Each creates .venv if absent and installs the package with pinned dependencies (with uv): the demos
 # what they need (`-e .`), the tests the dev extras on top (DeepSpeed, W&B, bitsandbytes, prodigyopt,
 # pytest), each step recorded by its own stamp file. `.venv/bin/uv pip install ...` adds a package.
