@@ -6,26 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import tiny_overrides
-from dmd2_helpers import TINY_TEACHER
+from dmd2_helpers import dmd2_overrides
 
 CD_RECIPE = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_causal_cd.yaml")
 
 
 def causal_cd_overrides(tmp_path, data_path: str, **extra) -> dict:
-    """`data_path`: the tests' tiny dataset (6 latent frames: two chunks of 3)."""
-    out = tiny_overrides(tmp_path)
-    for key in [k for k in out if k.startswith("models.student.transformer_config")]:
-        del out[key]
-    out.update({
-        "models.teacher.init_from": None,
-        "models.teacher.transformer_config": dict(TINY_TEACHER),
+    """`data_path`: the tests' tiny dataset (6 latent frames: two chunks of 3). The DMD2 tests'
+    overrides (the inline teacher, batch 2, 16-token text, 4 steps) and CD's own keys."""
+    return dmd2_overrides(tmp_path, **{
         "training.data.data_path": data_path,
-        "training.data.train_batch_size": 2,
-        "training.data.text_max_length": 16,
-        "training.loop.max_train_steps": 4,
         "method.discrete_cd_N": 8,
         "method.ema_start_step": 2,
+        **extra,
     })
-    out.update(extra)
-    return out

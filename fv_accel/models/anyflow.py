@@ -303,14 +303,7 @@ class AnyFlowStudent(DiffusersStudent):
     ) -> torch.Tensor:
         """The average velocity u(x_t, t, r): the module docstring's contract."""
         del cfg_uncond
-        meta = training_batch.attn_metadata_vsa
-        if attn_kind == "vsa" and meta is not None:
-            self.set_vsa_sparsity(meta.sparsity)
-        cond = training_batch.conditioning
-        if cond is None:
-            raise ValueError("training_batch.conditioning is not set")
-        if not conditional:
-            cond = training_batch.unconditional if training_batch.unconditional is not None else cond.unconditional()
+        cond = self.branch_conditioning(training_batch, conditional=conditional, attn_kind=attn_kind)
         return self.velocity_with_r(noisy_latents, timesteps, r_timesteps, cond)
 
     def predict_noise(

@@ -392,6 +392,20 @@ class ModelBase:
         """The flow velocity for x_t [B, C, T, H, W] at t ([B], or per latent frame [B, T])."""
         raise NotImplementedError
 
+    def branch_conditioning(self, training_batch: TrainingBatch, *, conditional: bool, attn_kind: str) -> Conditioning:
+        """The conditioning a forward of `training_batch` runs with: the batch's own, or for the
+        unconditional branch its `unconditional` where the method set one, else the text zeroed. With
+        `attn_kind` "vsa" the batch's `attn_metadata_vsa` sets the sparsity the forward runs at."""
+        meta = training_batch.attn_metadata_vsa
+        if attn_kind == "vsa" and meta is not None:
+            self.set_vsa_sparsity(meta.sparsity)
+        cond = training_batch.conditioning
+        if cond is None:
+            raise ValueError("training_batch.conditioning is not set")
+        if not conditional:
+            cond = training_batch.unconditional if training_batch.unconditional is not None else cond.unconditional()
+        return cond
+
     def predict_noise(
         self,
         noisy_latents: torch.Tensor,
@@ -408,14 +422,7 @@ class ModelBase:
         (distillation: the pipeline's negative prompt), else the text zeroed; `cfg_uncond` is the
         method's policy, already applied there."""
         del cfg_uncond
-        meta = training_batch.attn_metadata_vsa
-        if attn_kind == "vsa" and meta is not None:
-            self.set_vsa_sparsity(meta.sparsity)
-        cond = training_batch.conditioning
-        if cond is None:
-            raise ValueError("training_batch.conditioning is not set")
-        if not conditional:
-            cond = training_batch.unconditional if training_batch.unconditional is not None else cond.unconditional()
+        cond = self.branch_conditioning(training_batch, conditional=conditional, attn_kind=attn_kind)
         if not timesteps.is_floating_point():
             timesteps = timesteps.float()  # a step list's integer values
         if timesteps.ndim == 1 and timesteps.shape[0] != noisy_latents.shape[0]:
